@@ -1,0 +1,115 @@
+"""Train/valid/test megatron-core ``GPTDataset``s over one preprocessed indexed dataset.
+
+``build_gpt_datasets(prefix, tokenizer, seq_length, split="949,50,1", num_samples=(n, m, k))``
+wraps ``BlendedMegatronDatasetBuilder`` + ``GPTDatasetConfig`` and adds the checks megatron-core
+lacks: a missing ``.bin/.idx`` and a split that would receive zero documents (megatron-core
+would loop forever in ``GPTDataset._get_num_epochs``) both raise one-line errors up front.
+
+Each sample is a dict of ``tokens`` / ``labels`` (int64 [seq_length], labels = tokens shifted
+by one), ``loss_mask`` (float [seq_length]), ``position_ids`` (int64 [seq_length]) and, when
+``create_attention_mask``, ``attention_mask`` (bool [1, seq_length, seq_length], True = masked).
+
+Works with torch.distributed uninitialized or initialized (any backend, e.g. gloo): then every
+rank of the default group must call it; rank 0 builds the index cache, the others load it.
+The cache (``<prefix folder>/cache`` unless ``cache_dir``) is keyed by a hash of the config.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.blended_megatron_dataset_config import (
+    convert_split_vector_to_split_matrix,
+    parse_and_normalize_split,
+)
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.indexed_dataset import get_bin_path, get_idx_path
+from megatron.core.datasets.utils import Split
+from megatron.core.tokenizers import MegatronTokenizerBase
+
+SPLIT_NAMES = tuple(s.name for s in Split)  # ("train", "valid", "test")
+
+
+def read_sequence_lengths(data_prefix: str) -> np.ndarray:
+    """Token count per sequence (= per document here) from the ``.idx`` header: int32 [n_seq]."""
+    idx_path = get_idx_path(data_prefix)
+    with open(idx_path, "rb") as f:
+        header = f.read(9 + 8 + 1 + 8 + 8)  # magic, version, dtype code, n_sequences, n_documents
+        n_sequences = int(np.frombuffer(header[18:26], dtype="<u8")[0])
+        return np.frombuffer(f.read(4 * n_sequences), dtype="<i4")
+
+
+def split_document_counts(
+    data_prefix: str, split: str = "949,50,1"
+) -> dict[str, tuple[int, int] | None]:
+    """``{split name: (documents, tokens)}`` as megatron-core will cut them; None = split unused.
+
+    Mirrors ``BlendedMegatronDatasetBuilder._build_megatron_dataset_splits``: contiguous
+    document ranges ``[round(lo * n), round(hi * n))`` of the normalized split matrix.
+    """
+    lengths = read_sequence_lengths(data_prefix)
+    n = lengths.shape[0]
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    counts: dict[str, tuple[int, int] | None] = {}
+    for name, bookends in zip(SPLIT_NAMES, matrix):
+        if bookends is None:
+            counts[name] = None
+            continue
+        beg, end = round(bookends[0] * float(n)), round(bookends[1] * float(n))
+        counts[name] = (end - beg, int(lengths[beg:end].sum()))
+    return counts
+
+
+def build_gpt_datasets(
+    data_prefix: str | os.PathLike[str],
+    tokenizer: MegatronTokenizerBase,
+    seq_length: int,
+    split: str = "949,50,1",
+    num_samples: tuple[int | None, int | None, int | None] = (None, None, None),
+    seed: int = 1234,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
+    eod_mask_loss: bool = False,
+    create_attention_mask: bool = True,
+) -> tuple[GPTDataset | None, GPTDataset | None, GPTDataset | None]:
+    """(train, valid, test) GPTDatasets; a split with weight 0 in ``split`` comes back None.
+
+    ``num_samples[i]`` is the number of samples split i must provide (megatron-core repeats
+    epochs, each a fresh shuffle, to reach it); None means exactly one epoch.
+    """
+    data_prefix = str(data_prefix)
+    for path in (get_bin_path(data_prefix), get_idx_path(data_prefix)):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"{path} not found; build it: python tools/preprocess_data.py --input corpus.jsonl "
+                f"--output-prefix {data_prefix.removesuffix('_text_document')} "
+                f"--tokenizer-model spm.model --append-eod"
+            )
+    if len(num_samples) != len(SPLIT_NAMES):
+        raise ValueError(f"num_samples needs one entry per split {SPLIT_NAMES}, got {num_samples}")
+    for name, count in split_document_counts(data_prefix, split).items():
+        if count is not None and min(count) == 0:
+            raise ValueError(
+                f"split {name!r} of {data_prefix} gets {count[0]} documents / {count[1]} tokens with "
+                f"split={split!r}; give it a larger weight, weight 0 to drop it, or use more documents"
+            )
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=([data_prefix], None),
+        split=split,
+        path_to_cache=str(cache_dir if cache_dir is not None else Path(data_prefix).parent / "cache"),
+        tokenizer=tokenizer,
+        reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=eod_mask_loss,
+        create_attention_mask=create_attention_mask,
+    )
+    builder = BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), lambda: True, config)
+    train, valid, test = builder.build()
+    return train, valid, test

@@ -27,7 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json-key", default="text")
     args = parser.parse_args(argv)
     if not args.input.is_file():
-        parser.error(f"--input {args.input} does not exist; build it: python -m megahet.data.corpus OUT.jsonl")
+        parser.error(
+            f"--input {args.input} does not exist; build it: python -m megahet.data.corpus OUT.jsonl"
+        )
     start = time.perf_counter()
     model = train_sentencepiece(args.input, args.output_prefix, args.vocab_size, args.json_key)
     tok = SentencePieceTokenizer(model)

@@ -42,9 +42,7 @@ def read_sequence_lengths(data_prefix: str) -> np.ndarray:
         return np.frombuffer(f.read(4 * n_sequences), dtype="<i4")
 
 
-def split_document_counts(
-    data_prefix: str, split: str = "949,50,1"
-) -> dict[str, tuple[int, int] | None]:
+def split_document_counts(data_prefix: str, split: str = "949,50,1") -> dict[str, tuple[int, int] | None]:
     """``{split name: (documents, tokens)}`` as megatron-core will cut them; None = split unused.
 
     Mirrors ``BlendedMegatronDatasetBuilder._build_megatron_dataset_splits``: contiguous

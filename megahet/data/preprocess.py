@@ -19,7 +19,6 @@ from itertools import islice
 from pathlib import Path
 
 import numpy as np
-import torch
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
 from tqdm import tqdm
 
@@ -60,7 +59,9 @@ def preprocess_jsonl(
     if not isinstance(tokenizer, SentencePieceTokenizer):
         tokenizer = SentencePieceTokenizer(tokenizer)
     if not Path(input_path).is_file():
-        raise FileNotFoundError(f"input {input_path} not found; build it: python -m megahet.data.corpus OUT.jsonl")
+        raise FileNotFoundError(
+            f"input {input_path} not found; build it: python -m megahet.data.corpus OUT.jsonl"
+        )
     prefix = dataset_prefix(output_prefix, json_key)
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     tmp_prefix = f"{prefix}.tmp{os.getpid()}"
@@ -73,8 +74,8 @@ def preprocess_jsonl(
             for ids in tokenizer.tokenize_batch(batch, num_threads=workers):
                 if append_eod:
                     ids.append(tokenizer.eod)
-                doc = torch.from_numpy(np.asarray(ids, dtype=dtype))  # [n_tokens]
-                builder.add_document(doc, [doc.numel()])
+                doc = np.asarray(ids, dtype=dtype)  # [n_tokens]; numpy, not the hinted tensor:
+                builder.add_document(doc, [doc.size])  # numpy.array(tensor, dtype) warns on numpy 2
             bar.update(len(batch))
         builder.finalize(get_idx_path(tmp_prefix))
     except BaseException:

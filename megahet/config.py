@@ -1,0 +1,304 @@
+"""One configuration system for every megahet entry point: dataclasses, a YAML file, CLI overrides.
+
+    cfg = load_config(["--config", "examples/cpu/gpt_tp2_pp2.yaml", "--train.lr", "3e-4"])
+
+Sections are `model`, `parallel`, `train`, `data` and `logging`; a key is overridden on the command
+line as `--section.key value` (or `--section.key=value`). DeepSpeed users' habits also work:
+`--deepspeed_config ds.json` (or `--deepspeed ds.json`) merges a ds_config over the one megahet
+builds, and the launchers' `--local_rank` is accepted. Unknown keys, bad types and inconsistent
+values are one-line `ConfigError`s raised before any rank starts work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the key and the fix."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelConfig:
+    num_layers: int = 4
+    """Transformer layers (split evenly over pipeline stages)."""
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    ffn_hidden_size: Optional[int] = None
+    """MLP hidden units; None means 4 * hidden_size."""
+    seq_length: int = 128
+    """GPT: tokens per sample (also the number of learned positions)."""
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+    layernorm_epsilon: float = 1e-5
+    make_vocab_size_divisible_by: int = 128
+    """GPT: pad the tokenizer's vocabulary to a multiple of this times TP, as Megatron does."""
+    image_size: int = 28
+    """ViT: input images are image_size x image_size."""
+    patch_size: int = 4
+    """ViT: square patches; image_size must be a multiple."""
+    in_channels: int = 1
+    num_classes: int = 10
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+
+@dataclasses.dataclass(kw_only=True)
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel size: ranks that split every layer's matmuls."""
+    pp: int = 1
+    """Pipeline-parallel size: stages of consecutive layers (1F1B schedule)."""
+    zero_stage: int = 1
+    """DeepSpeed ZeRO stage for data parallelism: 1 or 2 (2 only with pp = 1)."""
+    distributed_timeout_minutes: int = 10
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainConfig:
+    micro_batch_size: int = 4
+    """Samples per micro-batch per data-parallel rank."""
+    global_batch_size: int = 16
+    """Samples per optimizer step over all data-parallel ranks; a multiple of micro * DP."""
+    train_iters: int = 300
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    lr_warmup_iters: int = 20
+    lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    seed: int = 1234
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """fp32 on CPU; bf16 where the device supports it."""
+    log_interval: int = 10
+    eval_interval: int = 100
+    eval_iters: int = 10
+    """Micro-batches per data-parallel rank in one evaluation."""
+    save_interval: int = 0
+    """0 disables periodic checkpoints."""
+    save: Optional[str] = None
+    """Checkpoint directory."""
+    deepspeed_config: Optional[str] = None
+    """A DeepSpeed ds_config JSON merged over the one megahet builds."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class DataConfig:
+    data_dir: str = "~/.cache/megahet/gpt"
+    """GPT: where the shipped corpus, tokenizer and indexed dataset are prepared when missing."""
+    data_path: Optional[str] = None
+    """GPT: prefix of an existing indexed dataset (<prefix>.bin/.idx); skips preparation."""
+    tokenizer_model: Optional[str] = None
+    """GPT: an existing sentencepiece model; required with data_path."""
+    vocab_size: int = 8192
+    """GPT: vocabulary of the tokenizer trained when the data is prepared."""
+    split: str = "969,30,1"
+    """GPT: train,valid,test weights over documents."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class LoggingConfig:
+    wandb: bool = True
+    wandb_project: str = "megahet"
+    wandb_run_name: Optional[str] = None
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    tensorboard_dir: Optional[str] = None
+    log_dir: str = "runs"
+    """wandb and tensorboard files go under <log_dir>/<run name>."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class MegahetConfig:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_SECTIONS = {f.name: f.type for f in dataclasses.fields(MegahetConfig)}
+
+
+def _section_fields(section: Any) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(section)}
+
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    """Convert a YAML or CLI value to the field's declared type, or raise a ConfigError."""
+    hint = eval(annotation, vars(typing)) if isinstance(annotation, str) else annotation
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType) and type(None) in args:
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        hint = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key} must be one of {list(args)}, got {value!r}")
+        return value
+    try:
+        if hint is bool:
+            if isinstance(value, str):
+                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                return value.lower() in ("true", "1", "yes")
+            return bool(value)
+        if hint is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError
+        return hint(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key} expects {hint.__name__}, got {value!r}") from None
+
+
+def apply_overrides(cfg: MegahetConfig, overrides: dict[str, Any]) -> MegahetConfig:
+    """Set `section.key` values on cfg (in place), checking each key and type."""
+    for dotted, value in overrides.items():
+        section_name, _, key = dotted.partition(".")
+        if section_name not in _SECTIONS or not key:
+            raise ConfigError(
+                f"unknown config key {dotted!r}: keys are <section>.<name> with section in "
+                f"{sorted(_SECTIONS)}"
+            )
+        section = getattr(cfg, section_name)
+        fields = _section_fields(section)
+        if key not in fields:
+            raise ConfigError(
+                f"unknown config key {dotted!r}: {section_name} has {sorted(fields)}"
+            )
+        setattr(section, key, _coerce(value, fields[key].type, dotted))
+    return cfg
+
+
+def _flatten_yaml(data: Any, path: str) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the YAML file must be a mapping of sections, got {type(data).__name__}")
+    flat = {}
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: section {section!r} must be a mapping of keys to values")
+        flat.update({f"{section}.{k}": v for k, v in values.items()})
+    return flat
+
+
+def _parse_argv(argv: list[str]) -> tuple[Optional[str], dict[str, Any]]:
+    """Split argv into (config file, {dotted key: raw value}), accepting launcher flags."""
+    config_file, overrides, i = None, {}, 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}: use --section.key value")
+        name, eq, value = arg[2:].partition("=")
+        if name in ("local_rank", "local-rank"):  # passed by the deepspeed launcher
+            i += 1 if eq else 2
+            continue
+        if not eq:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                if name == "deepspeed":  # bare `--deepspeed` flag, as DeepSpeed users write it
+                    i += 1
+                    continue
+                raise ConfigError(f"--{name} needs a value")
+            value, i = argv[i + 1], i + 1
+        i += 1
+        if name == "config":
+            config_file = value
+        elif name in ("deepspeed_config", "deepspeed"):
+            overrides["train.deepspeed_config"] = value
+        else:
+            overrides[name.replace("-", "_")] = value
+    return config_file, overrides
+
+
+def load_config(argv: list[str], defaults: Optional[MegahetConfig] = None) -> MegahetConfig:
+    """Defaults, then the YAML file given by --config, then the command-line overrides."""
+    cfg = defaults if defaults is not None else MegahetConfig()
+    config_file, overrides = _parse_argv(argv)
+    if config_file is not None:
+        path = Path(config_file).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"config file {config_file} not found: pass an existing YAML with --config")
+        apply_overrides(cfg, _flatten_yaml(yaml.safe_load(path.read_text()) or {}, config_file))
+    apply_overrides(cfg, overrides)
+    return cfg
+
+
+def load_deepspeed_json(path: str) -> dict[str, Any]:
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ConfigError(f"deepspeed config {path} not found: pass an existing JSON file with --deepspeed_config")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"deepspeed config {path} is not valid JSON ({err.msg} at line {err.lineno})") from None
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def validate(cfg: MegahetConfig, world_size: int) -> int:
+    """Check the whole configuration against the world size; returns the data-parallel size."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        _require(getattr(m, key) > 0, f"model.{key} must be positive, got {getattr(m, key)}")
+    _require(p.tp >= 1 and p.pp >= 1, f"parallel.tp and parallel.pp must be >= 1 (got {p.tp}, {p.pp})")
+    _require(
+        m.hidden_size % m.num_attention_heads == 0,
+        f"model.hidden_size {m.hidden_size} is not divisible by model.num_attention_heads "
+        f"{m.num_attention_heads}: pick a head count that divides it",
+    )
+    _require(
+        m.num_attention_heads % p.tp == 0,
+        f"parallel.tp {p.tp} does not divide model.num_attention_heads {m.num_attention_heads}: "
+        f"use a TP size that divides the head count",
+    )
+    _require(
+        m.hidden_size % p.tp == 0 and m.ffn_size % p.tp == 0,
+        f"parallel.tp {p.tp} does not divide model.hidden_size {m.hidden_size} / ffn size {m.ffn_size}: "
+        f"use a TP size that divides both",
+    )
+    _require(
+        m.num_layers % p.pp == 0,
+        f"parallel.pp {p.pp} does not divide model.num_layers {m.num_layers}: "
+        f"use a layer count that is a multiple of the pipeline size",
+    )
+    _require(
+        world_size % (p.tp * p.pp) == 0,
+        f"world size {world_size} is not divisible by TP*PP = {p.tp}*{p.pp} = {p.tp * p.pp}: "
+        f"launch a multiple of {p.tp * p.pp} ranks or change parallel.tp / parallel.pp",
+    )
+    _require(p.zero_stage in (1, 2), f"parallel.zero_stage must be 1 or 2, got {p.zero_stage}")
+    _require(
+        not (p.zero_stage == 2 and p.pp > 1),
+        f"ZeRO stage 2 does not support pipeline parallelism (pp={p.pp}): "
+        f"use parallel.zero_stage=1 with pp > 1, or pp=1",
+    )
+    dp = world_size // (p.tp * p.pp)
+    _require(t.micro_batch_size > 0, f"train.micro_batch_size must be positive, got {t.micro_batch_size}")
+    _require(t.global_batch_size > 0, f"train.global_batch_size must be positive, got {t.global_batch_size}")
+    _require(
+        t.global_batch_size % (t.micro_batch_size * dp) == 0,
+        f"train.global_batch_size {t.global_batch_size} is not a multiple of micro_batch_size * DP = "
+        f"{t.micro_batch_size} * {dp}: change one of them",
+    )
+    _require(t.train_iters > 0, f"train.train_iters must be positive, got {t.train_iters}")
+    for key in ("log_interval", "eval_interval", "eval_iters"):
+        _require(getattr(t, key) > 0, f"train.{key} must be positive, got {getattr(t, key)}")
+    _require(t.lr > 0 and t.min_lr >= 0, f"train.lr must be > 0 and train.min_lr >= 0 (got {t.lr}, {t.min_lr})")
+    return dp

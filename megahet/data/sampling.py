@@ -1,0 +1,54 @@
+"""Deterministic micro-batch streams for one data-parallel rank, resumable from any sample.
+
+Global batch g covers samples [start + g*G, start + (g+1)*G) of the (optionally per-epoch shuffled)
+dataset order; DP rank r takes the r-th contiguous G/DP slice of it, in micro-batches of M. So any
+DP size sees the same samples per step, and DP=2 trains on exactly what DP=1 does.
+
+    it = micro_batches(dataset, global_batch_size=16, micro_batch_size=4, dp_rank=0, dp_size=2)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional, Sequence
+
+import numpy as np
+import torch
+
+
+def _collate(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    return {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in samples[0]}
+
+
+def sample_order(num_samples: int, epoch: int, shuffle_seed: Optional[int]) -> np.ndarray:
+    if shuffle_seed is None:
+        return np.arange(num_samples)
+    return np.random.default_rng((shuffle_seed, epoch)).permutation(num_samples)
+
+
+def micro_batches(
+    dataset: Sequence[dict[str, Any]],
+    *,
+    global_batch_size: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    start_sample: int = 0,
+    shuffle_seed: Optional[int] = None,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Yield this DP rank's micro-batches forever, cycling epochs (reshuffled when a seed is given)."""
+    n = len(dataset)
+    if n < global_batch_size:
+        raise ValueError(f"dataset has {n} samples, fewer than one global batch ({global_batch_size})")
+    per_rank = global_batch_size // dp_size
+    sample, epoch, order = start_sample, None, None
+    while True:
+        base = sample + dp_rank * per_rank
+        for m in range(0, per_rank, micro_batch_size):
+            items = []
+            for i in range(base + m, base + m + micro_batch_size):
+                if epoch != i // n:
+                    epoch = i // n
+                    order = sample_order(n, epoch, shuffle_seed)
+                items.append(dataset[int(order[i % n])])
+            yield _collate(items)
+        sample += global_batch_size

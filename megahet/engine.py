@@ -1,0 +1,132 @@
+"""The DeepSpeed engine for a megatron-core model: ds_config, parameter groups and LR schedule.
+
+megatron-core's pipeline schedule runs the forward and backward passes itself (`torch.autograd.
+backward` per micro-batch), so the engine runs with `managed_gradient_accumulation: false`:
+DeepSpeed's torch-style backward hooks accumulate gradients locally, and `engine.step()` is the
+accumulation boundary that reduces them over the data-parallel group (ZeRO-1) or finalizes the
+per-backward reduce-scatters (ZeRO-2), clips, and steps AdamW.
+
+    engine = build_engine(cfg, model, dp_size)
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import deepspeed
+import torch
+
+from megahet.config import ConfigError, MegahetConfig, load_deepspeed_json
+from megahet.parallel import MegatronMpu
+from megahet.platform import cuda_available
+
+# Keys megahet owns, because the pipeline schedule and data sampler depend on them.
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def fold_deepspeed_json(cfg: MegahetConfig) -> dict[str, Any]:
+    """Read --deepspeed_config (if any) and carry the settings that shape the model into cfg."""
+    if not cfg.train.deepspeed_config:
+        return {}
+    user = load_deepspeed_json(cfg.train.deepspeed_config)
+    stage = user.get("zero_optimization", {}).get("stage")
+    if stage is not None:
+        cfg.parallel.zero_stage = int(stage)
+    if user.get("bf16", {}).get("enabled"):
+        cfg.train.precision = "bf16"
+    if user.get("fp16", {}).get("enabled"):
+        raise ConfigError("fp16 is not supported (no loss scaling in megahet): use bf16 or fp32")
+    if "gradient_clipping" in user:
+        cfg.train.clip_grad = float(user["gradient_clipping"])
+    return user
+
+
+def deepspeed_config(cfg: MegahetConfig, dp_size: int, user: dict[str, Any]) -> dict[str, Any]:
+    t = cfg.train
+    ds = {
+        "train_batch_size": t.global_batch_size,
+        "train_micro_batch_size_per_gpu": t.global_batch_size // dp_size,
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": t.lr,
+                "betas": [t.adam_beta1, t.adam_beta2],
+                "eps": t.adam_eps,
+                "weight_decay": t.weight_decay,
+                "torch_adam": not cuda_available(),
+            },
+        },
+        "zero_optimization": {"stage": cfg.parallel.zero_stage},
+        "gradient_clipping": t.clip_grad,
+        "bf16": {"enabled": t.precision == "bf16"},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    for key in _BATCH_KEYS:
+        if key in user and user[key] != ds[key]:
+            raise ConfigError(
+                f"ds_config {key}={user[key]} disagrees with megahet's {ds[key]} (micro-batches are "
+                f"scheduled by megatron-core): set train.global_batch_size / train.micro_batch_size instead"
+            )
+    return _merge(ds, user)
+
+
+def _merge(base: dict, override: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices only; biases, norms, [CLS] and position tables are not decayed."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        is_matrix = param.ndim >= 2 and "position_embeddings" not in name and "cls_token" not in name
+        (decay if is_matrix else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def lr_lambda(cfg: MegahetConfig):
+    """Linear warmup to lr, then cosine / linear decay to min_lr over the remaining steps."""
+    t = cfg.train
+    floor = t.min_lr / t.lr
+
+    def factor(step: int) -> float:
+        if step < t.lr_warmup_iters:
+            return (step + 1) / t.lr_warmup_iters
+        if t.lr_decay_style == "constant":
+            return 1.0
+        progress = min(1.0, (step - t.lr_warmup_iters) / max(1, t.train_iters - t.lr_warmup_iters))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if t.lr_decay_style == "cosine" else 1 - progress
+        return floor + (1 - floor) * shape
+
+    return factor
+
+
+def build_engine(cfg: MegahetConfig, model: torch.nn.Module, dp_size: int, user_ds: dict[str, Any]):
+    """deepspeed.initialize with megatron-core's process groups (the mpu adapter) and our schedule."""
+    ds_config = deepspeed_config(cfg, dp_size, user_ds)
+    scheduler = None
+    if "scheduler" not in ds_config:
+
+        def scheduler(optimizer):
+            return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=param_groups(model, cfg.train.weight_decay),
+        config=ds_config,
+        mpu=MegatronMpu(),
+        lr_scheduler=scheduler,
+    )
+    return engine

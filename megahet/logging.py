@@ -1,0 +1,88 @@
+"""Training telemetry: one console line per log interval, Weights & Biases (offline by default), TensorBoard.
+
+Only the logging rank (TP rank 0 of DP replica 0 on the last pipeline stage, where the loss is)
+writes; every other rank gets a logger whose calls do nothing.
+
+    logger = TrainingLogger(cfg, layout, run_name="gpt")
+    logger.log(step, {"loss": 2.3, "lr": 1e-3, ...})
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from megahet.config import MegahetConfig
+from megahet.parallel import ParallelLayout
+
+# How each known metric is printed on the console line; others print with 4 significant digits.
+_CONSOLE_FORMAT = {
+    "loss": "loss {:.4f}",
+    "lr": "lr {:.3e}",
+    "grad_norm": "grad norm {:.3f}",
+    "tokens_per_s": "{:.0f} tokens/s",
+    "samples_per_s": "{:.1f} samples/s",
+    "step_time_s": "step {:.3f} s",
+    "compute_min_s": "compute min {:.3f} s",
+    "compute_max_s": "max {:.3f} s",
+}
+
+
+def format_console_line(step: int, total: int, metrics: dict[str, float]) -> str:
+    parts = [f"step {step:>6}/{total}"]
+    for key, value in metrics.items():
+        parts.append(_CONSOLE_FORMAT.get(key, key + " {:.4g}").format(value))
+    return " | ".join(parts)
+
+
+class TrainingLogger:
+    def __init__(self, cfg: MegahetConfig, layout: ParallelLayout, run_name: str):
+        self.active = layout.is_logging_rank
+        self.total = cfg.train.train_iters
+        self._wandb = None
+        self._tb = None
+        if not self.active:
+            return
+        log = cfg.logging
+        run = log.wandb_run_name or run_name
+        run_dir = Path(log.log_dir).expanduser() / run
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = run_dir
+        if log.wandb and log.wandb_mode != "disabled":
+            os.environ.setdefault("WANDB_SILENT", "true")
+            import wandb
+
+            self._wandb = wandb.init(
+                project=log.wandb_project,
+                name=run,
+                mode=log.wandb_mode,
+                dir=str(run_dir),
+                config=cfg.to_dict(),
+                reinit="finish_previous",
+            )
+        if log.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(Path(log.tensorboard_dir).expanduser() / run))
+
+    def print(self, message: str) -> None:
+        if self.active:
+            print(message, flush=True)
+
+    def log(self, step: int, metrics: dict[str, Any], console: bool = True) -> None:
+        if not self.active:
+            return
+        if console:
+            print(format_console_line(step, self.total, metrics), flush=True)
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+        if self._tb is not None:
+            for key, value in metrics.items():
+                self._tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if self._wandb is not None:
+            self._wandb.finish()
+        if self._tb is not None:
+            self._tb.close()

@@ -1,0 +1,65 @@
+"""Shared pieces of the megahet models: the megatron-core TransformerConfig and the layer specs.
+
+The layer spec is the plug-in point: the GPT and ViT builders take a `ModuleSpec`, so resizable
+tensor-parallel layers replace megatron-core's own through a spec, never through a fork.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megahet.config import MegahetConfig
+from megahet.platform import cuda_available
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's activation ("gelu_new"), so exported GPT checkpoints match Hugging Face's GPT-2."""
+    return F.gelu(x, approximate="tanh")
+
+
+def transformer_config(cfg: MegahetConfig) -> TransformerConfig:
+    """megatron-core's TransformerConfig for this run: fused CUDA kernels only where CUDA exists."""
+    m, p = cfg.model, cfg.parallel
+    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+    fused = cuda_available()
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.ffn_size,
+        tensor_model_parallel_size=p.tp,
+        pipeline_model_parallel_size=p.pp,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std,
+        layernorm_epsilon=m.layernorm_epsilon,
+        activation_func=gelu_tanh,
+        add_bias_linear=True,
+        normalization="LayerNorm",
+        # Initialize every weight from its full (unsharded) master on the CPU, so a model is the
+        # same function of the seed whatever its TP size.
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=cfg.train.precision == "bf16",
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=fused,
+        masked_softmax_fusion=fused,
+        bias_dropout_fusion=fused,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+    )
+
+
+def local_layer_spec(attn_mask_type: AttnMaskType = AttnMaskType.causal) -> ModuleSpec:
+    """megatron-core's local (no Transformer Engine) layer spec with the given attention mask."""
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="LayerNorm"))
+    spec.submodules.self_attention.params["attn_mask_type"] = attn_mask_type
+    return spec

@@ -1,0 +1,36 @@
+"""GPT: megatron-core's GPTModel (local layer spec, learned positions, tied embeddings, GPT-2 shape).
+
+    model = build_gpt(cfg, vocab_size=8192)    # this rank's pipeline stage, after initialize_parallel
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megahet.config import MegahetConfig
+from megahet.models.common import local_layer_spec, transformer_config
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Pad the vocabulary so each TP shard of the embedding has the same size, as Megatron does."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def build_gpt(cfg: MegahetConfig, vocab_size: int, layer_spec: Optional[ModuleSpec] = None) -> GPTModel:
+    """The GPT stage of this rank (pre/post-process from its pipeline position)."""
+    m = cfg.model
+    return GPTModel(
+        config=transformer_config(cfg),
+        transformer_layer_spec=layer_spec or local_layer_spec(),
+        vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, cfg.parallel.tp),
+        max_sequence_length=m.seq_length,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=True,
+        position_embedding_type="learned_absolute",
+    )

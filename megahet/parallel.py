@@ -1,0 +1,148 @@
+"""Process groups for TP x PP x DP over megatron-core, and the DeepSpeed `mpu` adapter.
+
+Glossary: we say *TP group* for the ranks that split one layer's matmuls, *PP stage* for the ranks
+that hold one slice of the layers, *DP replica* for a full copy of the model, and *model parallel
+group* for the TP x PP ranks of one DP replica (what DeepSpeed calls "model parallel").
+
+    layout = initialize_parallel(tp=2, pp=2, seed=1234)   # after torchrun / deepspeed set env
+    engine, *_ = deepspeed.initialize(..., mpu=MegatronMpu())
+
+Works under `torchrun`, the `deepspeed` launcher, and plain `python` (one rank, a local store).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+
+from megahet.platform import apply_cpu_shims, cuda_available, distributed_backend
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelLayout:
+    """Where this rank sits in the TP x PP x DP grid."""
+
+    rank: int
+    world_size: int
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """The rank that prints and logs: TP rank 0 of DP replica 0 on the last stage."""
+        return self.tp_rank == 0 and self.dp_rank == 0 and self.is_last_stage
+
+
+def check_world_size(world_size: int, tp: int, pp: int) -> int:
+    """Return the DP size, or raise a one-line error when TP x PP does not divide the world."""
+    if tp < 1 or pp < 1:
+        raise ValueError(f"tensor/pipeline parallel sizes must be >= 1 (got tp={tp}, pp={pp})")
+    if world_size % (tp * pp) != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by TP*PP = {tp}*{pp} = {tp * pp}: "
+            f"launch a multiple of {tp * pp} ranks or change --parallel.tp / --parallel.pp"
+        )
+    return world_size // (tp * pp)
+
+
+def _init_process_group(timeout_minutes: int) -> None:
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:  # plain `python script.py`: a single rank
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    if cuda_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(
+        backend=distributed_backend(), timeout=datetime.timedelta(minutes=timeout_minutes)
+    )
+
+
+def initialize_parallel(tp: int, pp: int, seed: int, timeout_minutes: int = 10) -> ParallelLayout:
+    """Start torch.distributed (if needed), build megatron-core's groups, and seed every stream."""
+    apply_cpu_shims()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_world_size(world, tp, pp)  # before any rank waits on a collective
+    _init_process_group(timeout_minutes)
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return current_layout()
+
+
+def current_layout() -> ParallelLayout:
+    return ParallelLayout(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+    )
+
+
+def destroy_parallel() -> None:
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class MegatronMpu:
+    """DeepSpeed's `mpu` protocol over megatron-core's parallel_state.
+
+    DeepSpeed asks for "model parallel" ranks and groups (the ranks that hold *different* shards
+    of one replica) to keep ZeRO from mixing them and to compute gradient norms once. In 3D
+    parallelism that is the TP x PP group. Passing no mpu is silently wrong: DeepSpeed would
+    treat every rank as a data-parallel replica and broadcast rank 0's TP shard over the others.
+    We deliberately expose no `get_sequence_parallel_*`: DeepSpeed reads those as Ulysses
+    sequence parallelism, which is not Megatron's TP sequence parallelism.
+    """
+
+    get_model_parallel_group = staticmethod(ps.get_model_parallel_group)
+    get_tensor_model_parallel_group = staticmethod(ps.get_tensor_model_parallel_group)
+    get_tensor_model_parallel_rank = staticmethod(ps.get_tensor_model_parallel_rank)
+    get_tensor_model_parallel_world_size = staticmethod(ps.get_tensor_model_parallel_world_size)
+    get_tensor_model_parallel_src_rank = staticmethod(ps.get_tensor_model_parallel_src_rank)
+    get_pipeline_model_parallel_group = staticmethod(ps.get_pipeline_model_parallel_group)
+    get_pipeline_model_parallel_rank = staticmethod(ps.get_pipeline_model_parallel_rank)
+    get_pipeline_model_parallel_world_size = staticmethod(ps.get_pipeline_model_parallel_world_size)
+    get_pipe_parallel_group = staticmethod(ps.get_pipeline_model_parallel_group)
+    get_pipe_parallel_world_size = staticmethod(ps.get_pipeline_model_parallel_world_size)
+    get_data_parallel_group = staticmethod(ps.get_data_parallel_group)
+    get_data_parallel_rank = staticmethod(ps.get_data_parallel_rank)
+    get_data_parallel_world_size = staticmethod(ps.get_data_parallel_world_size)
+
+    @staticmethod
+    def get_model_parallel_rank() -> int:
+        return dist.get_rank(group=ps.get_model_parallel_group())
+
+    @staticmethod
+    def get_model_parallel_world_size() -> int:
+        return dist.get_world_size(group=ps.get_model_parallel_group())
+
+    @staticmethod
+    def get_data_parallel_group_ranks() -> list[int]:
+        return dist.get_process_group_ranks(ps.get_data_parallel_group())

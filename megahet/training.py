@@ -1,0 +1,240 @@
+"""The training loop shared by pretrain_gpt.py and pretrain_vit.py.
+
+A step: zero grads -> megatron-core's forward/backward schedule (1F1B when PP > 1) over this DP
+rank's micro-batches, calling the DeepSpeed engine as the model -> finalize gradients (tied
+embeddings across pipeline stages) -> `engine.step()` (ZeRO reduction, clipping, AdamW, LR).
+Evaluation runs the same schedule forward-only.
+
+A script supplies a `TaskSpec` (preflight checks, rank-0 data preparation, and a builder for the
+model, data and forward step), then calls `pretrain(cfg, spec)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megahet.config import MegahetConfig, validate
+from megahet.engine import build_engine, fold_deepspeed_json
+from megahet.logging import TrainingLogger
+from megahet.parallel import ParallelLayout, initialize_parallel
+
+ForwardStep = Callable[[Iterator[dict], torch.nn.Module], tuple[torch.Tensor, Callable]]
+
+
+@dataclasses.dataclass
+class Task:
+    """What a pretraining script plugs into the loop, for this rank."""
+
+    model: torch.nn.Module
+    """This rank's pipeline stage (a megatron-core module with `config` and `set_input_tensor`)."""
+    seq_length: int
+    """Sequence length of the activations passed between pipeline stages: (seq, micro, hidden)."""
+    train_data: Iterator[dict]
+    """This DP rank's training micro-batches, in order, forever."""
+    eval_data: Callable[[], Iterator[dict]]
+    """A fresh iterator over this DP rank's validation micro-batches."""
+    forward_step: ForwardStep
+    """megatron-core forward_step_func: (data iterator, model) -> (output, loss_func)."""
+    eval_summary: Callable[[dict[str, float]], dict[str, float]]
+    """Summed evaluation metrics (over micro-batches and DP) -> reported metrics."""
+    tokens_per_sample: int = 1
+
+
+@dataclasses.dataclass
+class TaskSpec:
+    name: str
+    build: Callable[[MegahetConfig, ParallelLayout], Task]
+    preflight: Callable[[MegahetConfig], None] = lambda cfg: None
+    """Checks that need no process group (paths, data sizes); raise one-line errors."""
+    prepare: Callable[[MegahetConfig], None] = lambda cfg: None
+    """Run once on global rank 0 before the others build (e.g. tokenizer and data preparation)."""
+
+
+class ComputeTimers:
+    """megatron-core's `config.timers` interface, keeping the forward and backward compute seconds.
+
+    The schedule times 'forward-compute' and 'backward-compute' around the model's own work;
+    pipeline send/receive waits fall outside them.
+    """
+
+    class _Timer:
+        def __init__(self, owner: "ComputeTimers", name: str):
+            self.owner, self.name, self.t0 = owner, name, None
+
+        def start(self, barrier: bool = False) -> None:
+            self.t0 = time.perf_counter()
+
+        def stop(self) -> None:
+            if self.t0 is not None and self.name in ("forward-compute", "backward-compute"):
+                self.owner.compute_s += time.perf_counter() - self.t0
+            self.t0 = None
+
+    def __init__(self):
+        self.compute_s = 0.0
+        self._timers: dict[str, ComputeTimers._Timer] = {}
+
+    def __call__(self, name: str, log_level: int = 0) -> "_Timer":
+        return self._timers.setdefault(name, ComputeTimers._Timer(self, name))
+
+
+class ScheduledEngine:
+    """The DeepSpeed engine as megatron-core's schedule expects a model to look.
+
+    The schedule must call the engine (its forward registers DeepSpeed's backward hooks on the
+    outputs), but it reads `model.config` as megatron-core's TransformerConfig, which on the
+    engine is DeepSpeed's own config. Attributes it unwraps (`set_input_tensor`, `model_type`) are
+    found through `.module`, as with megatron-core's DDP wrapper.
+    """
+
+    def __init__(self, engine):
+        self.module = engine
+        self.config = engine.module.config
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+def finalize_grads(model: torch.nn.Module) -> None:
+    """All-reduce the tied word-embedding gradient between the first and last pipeline stage."""
+    if ps.get_pipeline_model_parallel_world_size() == 1 or not ps.is_rank_in_embedding_group():
+        return
+    if not getattr(model, "share_embeddings_and_output_weights", False):
+        return
+    weight = model.shared_embedding_or_output_weight()
+    if weight is not None and weight.grad is not None:
+        dist.all_reduce(weight.grad, group=ps.get_embedding_group())
+
+
+class Trainer:
+    def __init__(self, cfg: MegahetConfig, task: Task, engine, layout: ParallelLayout, logger: TrainingLogger):
+        self.cfg, self.task, self.engine, self.layout, self.logger = cfg, task, engine, layout, logger
+        t = cfg.train
+        self.num_microbatches = t.global_batch_size // (t.micro_batch_size * layout.dp_size)
+        self.timers = ComputeTimers()
+        model_config = task.model.config
+        model_config.timers = self.timers
+        model_config.finalize_model_grads_func = lambda *args, **kwargs: finalize_grads(task.model)
+        self.forward_backward = get_forward_backward_func()
+        self.scheduled = ScheduledEngine(engine)
+        self.iteration = 0
+
+    def _run_schedule(self, data: Iterator[dict], num_microbatches: int, forward_only: bool) -> list[dict]:
+        return self.forward_backward(
+            forward_step_func=self.task.forward_step,
+            data_iterator=data,
+            model=self.scheduled,
+            num_microbatches=num_microbatches,
+            seq_length=self.task.seq_length,
+            micro_batch_size=self.cfg.train.micro_batch_size,
+            forward_only=forward_only,
+        )
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step; returns {loss, lr, grad_norm, step_time_s, compute_s} (loss on last stage)."""
+        t0 = time.perf_counter()
+        compute0 = self.timers.compute_s
+        self.engine.zero_grad()
+        outputs = self._run_schedule(self.task.train_data, self.num_microbatches, forward_only=False)
+        self.engine.step()
+        self.iteration += 1
+        loss = _mean_over_dp([out["loss"] for out in outputs]) if outputs else float("nan")
+        grad_norm = self.engine.get_global_grad_norm()
+        return {
+            "loss": loss,
+            "lr": self.engine.get_lr()[0],
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "step_time_s": time.perf_counter() - t0,
+            "compute_s": self.timers.compute_s - compute0,
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Forward-only pass over eval_iters micro-batches per DP rank; summed metrics -> summary."""
+        self.engine.eval()
+        outputs = self._run_schedule(self.task.eval_data(), self.cfg.train.eval_iters, forward_only=True)
+        self.engine.train()
+        if not self.layout.is_last_stage:
+            return {}
+        keys = sorted(outputs[0])
+        sums = torch.tensor([sum(float(out[k]) for out in outputs) for k in keys], dtype=torch.float64)
+        dist.all_reduce(sums, group=ps.get_data_parallel_group())
+        return self.task.eval_summary(dict(zip(keys, sums.tolist())))
+
+    def train(self) -> list[dict[str, float]]:
+        """Run train_iters steps with logging and evaluation; returns the per-step records."""
+        t = self.cfg.train
+        history, window = [], []
+        while self.iteration < t.train_iters:
+            record = self.train_step()
+            history.append(record)
+            window.append(record)
+            if self.iteration % t.log_interval == 0 or self.iteration == t.train_iters:
+                self.logger.log(self.iteration, self._interval_metrics(window))
+                window = []
+            if self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters:
+                summary = self.evaluate()
+                if summary:
+                    self.logger.log(self.iteration, summary)
+                    history[-1].update(summary)
+        return history
+
+    def _interval_metrics(self, window: list[dict[str, float]]) -> dict[str, float]:
+        compute = torch.tensor([sum(r["compute_s"] for r in window) / len(window)] * 2)
+        compute[0] = -compute[0]  # one MAX all-reduce gives both min and max over all ranks
+        dist.all_reduce(compute, op=dist.ReduceOp.MAX)
+        step_time = sum(r["step_time_s"] for r in window) / len(window)
+        samples_per_s = self.cfg.train.global_batch_size / step_time
+        last = window[-1]
+        metrics = {"loss": sum(r["loss"] for r in window) / len(window), "lr": last["lr"]}
+        if self.task.tokens_per_sample > 1:
+            metrics["tokens_per_s"] = samples_per_s * self.task.tokens_per_sample
+        else:
+            metrics["samples_per_s"] = samples_per_s
+        metrics.update(
+            grad_norm=last["grad_norm"],
+            step_time_s=step_time,
+            compute_min_s=-float(compute[0]),
+            compute_max_s=float(compute[1]),
+        )
+        return metrics
+
+
+def _mean_over_dp(values: list[torch.Tensor]) -> float:
+    mean = torch.stack([v.detach().float() for v in values]).mean()
+    dist.all_reduce(mean, group=ps.get_data_parallel_group())
+    return float(mean) / ps.get_data_parallel_world_size()
+
+
+def pretrain(cfg: MegahetConfig, spec: TaskSpec) -> Optional[list[dict[str, Any]]]:
+    """Check everything, start the process groups, build the task and engine, train, evaluate."""
+    user_ds = fold_deepspeed_json(cfg)
+    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    spec.preflight(cfg)
+    layout = initialize_parallel(
+        cfg.parallel.tp, cfg.parallel.pp, cfg.train.seed, cfg.parallel.distributed_timeout_minutes
+    )
+    if layout.rank == 0:
+        spec.prepare(cfg)
+    dist.barrier()
+    task = spec.build(cfg, layout)
+    engine = build_engine(cfg, task.model, layout.dp_size, user_ds)
+    logger = TrainingLogger(cfg, layout, run_name=spec.name)
+    logger.print(
+        f"megahet {spec.name}: world {layout.world_size} = TP {layout.tp_size} x PP {layout.pp_size} x "
+        f"DP {layout.dp_size}, ZeRO-{cfg.parallel.zero_stage}, {cfg.train.precision}, "
+        f"{sum(p.numel() for p in task.model.parameters())} parameters on this rank"
+    )
+    trainer = Trainer(cfg, task, engine, layout, logger)
+    t0 = time.perf_counter()
+    history = trainer.train()
+    logger.print(f"megahet {spec.name}: {trainer.iteration} steps in {time.perf_counter() - t0:.1f} s")
+    logger.close()
+    return history

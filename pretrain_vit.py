@@ -15,12 +15,12 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from megahet.config import ConfigError, MegahetConfig, load_config
+from megahet.config import ConfigError, MegahetConfig
 from megahet.data.mnist import load_mnist
 from megahet.data.sampling import micro_batches
 from megahet.models.vit import build_vit
 from megahet.parallel import ParallelLayout
-from megahet.training import Task, TaskSpec, pretrain
+from megahet.training import Task, TaskSpec, run_cli
 
 
 class MnistSplit:
@@ -63,7 +63,9 @@ def preflight(cfg: MegahetConfig) -> None:
             f"pick a patch size that divides the image"
         )
     if (m.image_size, m.in_channels) != (28, 1):
-        raise ConfigError("MNIST images are 28x28 with 1 channel: set model.image_size=28, model.in_channels=1")
+        raise ConfigError(
+            "MNIST images are 28x28 with 1 channel: set model.image_size=28, model.in_channels=1"
+        )
     load_mnist("train")  # a missing data wheel fails here, with its fix, before ranks start
 
 
@@ -71,7 +73,7 @@ def build(cfg: MegahetConfig, layout: ParallelLayout) -> Task:
     t = cfg.train
     model = build_vit(cfg)
     train_set, valid_set = MnistSplit("train"), MnistSplit("valid")
-    sampling = dict(micro_batch_size=t.micro_batch_size, dp_rank=layout.dp_rank, dp_size=layout.dp_size)
+    sampling = {"micro_batch_size": t.micro_batch_size, "dp_rank": layout.dp_rank, "dp_size": layout.dp_size}
     return Task(
         model=model,
         seq_length=model.seq_length,
@@ -86,11 +88,20 @@ def build(cfg: MegahetConfig, layout: ParallelLayout) -> Task:
     )
 
 
-VIT_DEFAULTS = dict(
-    model=dict(num_layers=4, hidden_size=64, num_attention_heads=4, patch_size=7),
-    train=dict(micro_batch_size=32, global_batch_size=64, train_iters=500, lr=3e-3, min_lr=1e-4,
-               lr_warmup_iters=20, eval_interval=100, eval_iters=20, log_interval=20),
-)
+VIT_DEFAULTS = {
+    "model": {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "patch_size": 7},
+    "train": {
+        "micro_batch_size": 32,
+        "global_batch_size": 64,
+        "train_iters": 500,
+        "lr": 3e-3,
+        "min_lr": 1e-4,
+        "lr_warmup_iters": 20,
+        "eval_interval": 100,
+        "eval_iters": 20,
+        "log_interval": 20,
+    },
+}
 
 
 def default_config() -> MegahetConfig:
@@ -104,8 +115,4 @@ def default_config() -> MegahetConfig:
 SPEC = TaskSpec(name="vit", build=build, preflight=preflight)
 
 if __name__ == "__main__":
-    try:
-        config = load_config(sys.argv[1:], defaults=default_config())
-        pretrain(config, SPEC)
-    except ConfigError as err:
-        sys.exit(f"megahet: error: {err}")
+    run_cli(SPEC, sys.argv[1:], defaults=default_config())

@@ -16,7 +16,7 @@ import json
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import yaml
 
@@ -31,7 +31,7 @@ class ModelConfig:
     """Transformer layers (split evenly over pipeline stages)."""
     hidden_size: int = 128
     num_attention_heads: int = 4
-    ffn_hidden_size: Optional[int] = None
+    ffn_hidden_size: int | None = None
     """MLP hidden units; None means 4 * hidden_size."""
     seq_length: int = 128
     """GPT: tokens per sample (also the number of learned positions)."""
@@ -89,9 +89,9 @@ class TrainConfig:
     """Micro-batches per data-parallel rank in one evaluation."""
     save_interval: int = 0
     """0 disables periodic checkpoints."""
-    save: Optional[str] = None
+    save: str | None = None
     """Checkpoint directory."""
-    deepspeed_config: Optional[str] = None
+    deepspeed_config: str | None = None
     """A DeepSpeed ds_config JSON merged over the one megahet builds."""
 
 
@@ -99,13 +99,13 @@ class TrainConfig:
 class DataConfig:
     data_dir: str = "~/.cache/megahet/gpt"
     """GPT: where the shipped corpus, tokenizer and indexed dataset are prepared when missing."""
-    data_path: Optional[str] = None
+    data_path: str | None = None
     """GPT: prefix of an existing indexed dataset (<prefix>.bin/.idx); skips preparation."""
-    tokenizer_model: Optional[str] = None
+    tokenizer_model: str | None = None
     """GPT: an existing sentencepiece model; required with data_path."""
     vocab_size: int = 8192
     """GPT: vocabulary of the tokenizer trained when the data is prepared."""
-    split: str = "969,30,1"
+    split: str = "90,5,5"
     """GPT: train,valid,test weights over documents."""
 
 
@@ -113,9 +113,9 @@ class DataConfig:
 class LoggingConfig:
     wandb: bool = True
     wandb_project: str = "megahet"
-    wandb_run_name: Optional[str] = None
+    wandb_run_name: str | None = None
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
-    tensorboard_dir: Optional[str] = None
+    tensorboard_dir: str | None = None
     log_dir: str = "runs"
     """wandb and tensorboard files go under <log_dir>/<run name>."""
 
@@ -178,9 +178,7 @@ def apply_overrides(cfg: MegahetConfig, overrides: dict[str, Any]) -> MegahetCon
         section = getattr(cfg, section_name)
         fields = _section_fields(section)
         if key not in fields:
-            raise ConfigError(
-                f"unknown config key {dotted!r}: {section_name} has {sorted(fields)}"
-            )
+            raise ConfigError(f"unknown config key {dotted!r}: {section_name} has {sorted(fields)}")
         setattr(section, key, _coerce(value, fields[key].type, dotted))
     return cfg
 
@@ -196,7 +194,7 @@ def _flatten_yaml(data: Any, path: str) -> dict[str, Any]:
     return flat
 
 
-def _parse_argv(argv: list[str]) -> tuple[Optional[str], dict[str, Any]]:
+def _parse_argv(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
     """Split argv into (config file, {dotted key: raw value}), accepting launcher flags."""
     config_file, overrides, i = None, {}, 0
     while i < len(argv):
@@ -224,7 +222,7 @@ def _parse_argv(argv: list[str]) -> tuple[Optional[str], dict[str, Any]]:
     return config_file, overrides
 
 
-def load_config(argv: list[str], defaults: Optional[MegahetConfig] = None) -> MegahetConfig:
+def load_config(argv: list[str], defaults: MegahetConfig | None = None) -> MegahetConfig:
     """Defaults, then the YAML file given by --config, then the command-line overrides."""
     cfg = defaults if defaults is not None else MegahetConfig()
     config_file, overrides = _parse_argv(argv)
@@ -240,11 +238,15 @@ def load_config(argv: list[str], defaults: Optional[MegahetConfig] = None) -> Me
 def load_deepspeed_json(path: str) -> dict[str, Any]:
     file = Path(path).expanduser()
     if not file.is_file():
-        raise ConfigError(f"deepspeed config {path} not found: pass an existing JSON file with --deepspeed_config")
+        raise ConfigError(
+            f"deepspeed config {path} not found: pass an existing JSON file with --deepspeed_config"
+        )
     try:
         return json.loads(file.read_text())
     except json.JSONDecodeError as err:
-        raise ConfigError(f"deepspeed config {path} is not valid JSON ({err.msg} at line {err.lineno})") from None
+        raise ConfigError(
+            f"deepspeed config {path} is not valid JSON ({err.msg} at line {err.lineno})"
+        ) from None
 
 
 def _require(condition: bool, message: str) -> None:
@@ -300,5 +302,7 @@ def validate(cfg: MegahetConfig, world_size: int) -> int:
     _require(t.train_iters > 0, f"train.train_iters must be positive, got {t.train_iters}")
     for key in ("log_interval", "eval_interval", "eval_iters"):
         _require(getattr(t, key) > 0, f"train.{key} must be positive, got {getattr(t, key)}")
-    _require(t.lr > 0 and t.min_lr >= 0, f"train.lr must be > 0 and train.min_lr >= 0 (got {t.lr}, {t.min_lr})")
+    _require(
+        t.lr > 0 and t.min_lr >= 0, f"train.lr must be > 0 and train.min_lr >= 0 (got {t.lr}, {t.min_lr})"
+    )
     return dp

@@ -78,7 +78,9 @@ def deepspeed_config(cfg: MegahetConfig, dp_size: int, user: dict[str, Any]) -> 
 def _merge(base: dict, override: dict) -> dict:
     out = copy.deepcopy(base)
     for key, value in override.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        out[key] = (
+            _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        )
     return out
 
 

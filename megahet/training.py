@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megahet.config import MegahetConfig, validate
+from megahet.config import ConfigError, MegahetConfig, load_config, validate
 from megahet.engine import build_engine, fold_deepspeed_json
 from megahet.logging import TrainingLogger
 from megahet.parallel import ParallelLayout, initialize_parallel
@@ -66,7 +68,7 @@ class ComputeTimers:
     """
 
     class _Timer:
-        def __init__(self, owner: "ComputeTimers", name: str):
+        def __init__(self, owner: ComputeTimers, name: str):
             self.owner, self.name, self.t0 = owner, name, None
 
         def start(self, barrier: bool = False) -> None:
@@ -81,7 +83,7 @@ class ComputeTimers:
         self.compute_s = 0.0
         self._timers: dict[str, ComputeTimers._Timer] = {}
 
-    def __call__(self, name: str, log_level: int = 0) -> "_Timer":
+    def __call__(self, name: str, log_level: int = 0) -> _Timer:
         return self._timers.setdefault(name, ComputeTimers._Timer(self, name))
 
 
@@ -114,7 +116,9 @@ def finalize_grads(model: torch.nn.Module) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: MegahetConfig, task: Task, engine, layout: ParallelLayout, logger: TrainingLogger):
+    def __init__(
+        self, cfg: MegahetConfig, task: Task, engine, layout: ParallelLayout, logger: TrainingLogger
+    ):
         self.cfg, self.task, self.engine, self.layout, self.logger = cfg, task, engine, layout, logger
         t = cfg.train
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * layout.dp_size)
@@ -137,12 +141,17 @@ class Trainer:
             forward_only=forward_only,
         )
 
+    def forward_backward(self) -> list[dict]:
+        """Zero the gradients and run the schedule over one global batch; gradients are then final
+        (tied embeddings reduced) but not yet reduced over DP. Returns the last stage's loss dicts."""
+        self.engine.zero_grad()
+        return self._run_schedule(self.task.train_data, self.num_microbatches, forward_only=False)
+
     def train_step(self) -> dict[str, float]:
         """One optimizer step; returns {loss, lr, grad_norm, step_time_s, compute_s} (loss on last stage)."""
         t0 = time.perf_counter()
         compute0 = self.timers.compute_s
-        self.engine.zero_grad()
-        outputs = self._run_schedule(self.task.train_data, self.num_microbatches, forward_only=False)
+        outputs = self.forward_backward()
         self.engine.step()
         self.iteration += 1
         loss = _mean_over_dp([out["loss"] for out in outputs]) if outputs else float("nan")
@@ -213,8 +222,8 @@ def _mean_over_dp(values: list[torch.Tensor]) -> float:
     return float(mean) / ps.get_data_parallel_world_size()
 
 
-def pretrain(cfg: MegahetConfig, spec: TaskSpec) -> Optional[list[dict[str, Any]]]:
-    """Check everything, start the process groups, build the task and engine, train, evaluate."""
+def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
+    """Check everything, start the process groups, prepare data, build the task, engine and logger."""
     user_ds = fold_deepspeed_json(cfg)
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     spec.preflight(cfg)
@@ -232,9 +241,23 @@ def pretrain(cfg: MegahetConfig, spec: TaskSpec) -> Optional[list[dict[str, Any]
         f"DP {layout.dp_size}, ZeRO-{cfg.parallel.zero_stage}, {cfg.train.precision}, "
         f"{sum(p.numel() for p in task.model.parameters())} parameters on this rank"
     )
-    trainer = Trainer(cfg, task, engine, layout, logger)
+    return Trainer(cfg, task, engine, layout, logger)
+
+
+def pretrain(cfg: MegahetConfig, spec: TaskSpec) -> list[dict[str, Any]]:
+    """setup(), then train with periodic logging and evaluation; returns the per-step records."""
+    trainer = setup(cfg, spec)
+    logger = trainer.logger
     t0 = time.perf_counter()
     history = trainer.train()
     logger.print(f"megahet {spec.name}: {trainer.iteration} steps in {time.perf_counter() - t0:.1f} s")
     logger.close()
     return history
+
+
+def run_cli(spec: TaskSpec, argv: list[str], defaults: MegahetConfig | None = None) -> None:
+    """Entry point of the pretrain scripts: bad inputs end in one line naming the problem and fix."""
+    try:
+        pretrain(load_config(argv, defaults=defaults), spec)
+    except (ConfigError, FileNotFoundError) as err:
+        sys.exit(f"megahet: error: {err}")

@@ -9,7 +9,8 @@ DP size sees the same samples per step, and DP=2 trains on exactly what DP=1 doe
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,7 +20,7 @@ def _collate(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     return {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in samples[0]}
 
 
-def sample_order(num_samples: int, epoch: int, shuffle_seed: Optional[int]) -> np.ndarray:
+def sample_order(num_samples: int, epoch: int, shuffle_seed: int | None) -> np.ndarray:
     if shuffle_seed is None:
         return np.arange(num_samples)
     return np.random.default_rng((shuffle_seed, epoch)).permutation(num_samples)
@@ -33,7 +34,7 @@ def micro_batches(
     dp_rank: int,
     dp_size: int,
     start_sample: int = 0,
-    shuffle_seed: Optional[int] = None,
+    shuffle_seed: int | None = None,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Yield this DP rank's micro-batches forever, cycling epochs (reshuffled when a seed is given)."""
     n = len(dataset)

@@ -1,11 +1,9 @@
 """GPT: megatron-core's GPTModel (local layer spec, learned positions, tied embeddings, GPT-2 shape).
 
-    model = build_gpt(cfg, vocab_size=8192)    # this rank's pipeline stage, after initialize_parallel
+model = build_gpt(cfg, vocab_size=8192)    # this rank's pipeline stage, after initialize_parallel
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
@@ -21,7 +19,7 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def build_gpt(cfg: MegahetConfig, vocab_size: int, layer_spec: Optional[ModuleSpec] = None) -> GPTModel:
+def build_gpt(cfg: MegahetConfig, vocab_size: int, layer_spec: ModuleSpec | None = None) -> GPTModel:
     """The GPT stage of this rank (pre/post-process from its pipeline position)."""
     m = cfg.model
     return GPTModel(

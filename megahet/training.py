@@ -126,12 +126,12 @@ class Trainer:
         model_config = task.model.config
         model_config.timers = self.timers
         model_config.finalize_model_grads_func = lambda *args, **kwargs: finalize_grads(task.model)
-        self.forward_backward = get_forward_backward_func()
+        self.schedule = get_forward_backward_func()
         self.scheduled = ScheduledEngine(engine)
         self.iteration = 0
 
     def _run_schedule(self, data: Iterator[dict], num_microbatches: int, forward_only: bool) -> list[dict]:
-        return self.forward_backward(
+        return self.schedule(
             forward_step_func=self.task.forward_step,
             data_iterator=data,
             model=self.scheduled,

@@ -27,6 +27,7 @@ from megahet.config import ConfigError, MegahetConfig, load_config, validate
 from megahet.engine import build_engine, fold_deepspeed_json
 from megahet.logging import TrainingLogger
 from megahet.parallel import ParallelLayout, initialize_parallel
+from megahet.platform import cuda_available
 
 ForwardStep = Callable[[Iterator[dict], torch.nn.Module], tuple[torch.Tensor, Callable]]
 
@@ -226,6 +227,8 @@ def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
     """Check everything, start the process groups, prepare data, build the task, engine and logger."""
     user_ds = fold_deepspeed_json(cfg)
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    if cfg.train.precision == "bf16" and cuda_available() and not torch.cuda.is_bf16_supported():
+        raise ConfigError("train.precision=bf16 is not supported by this GPU: use train.precision=fp32")
     spec.preflight(cfg)
     layout = initialize_parallel(
         cfg.parallel.tp, cfg.parallel.pp, cfg.train.seed, cfg.parallel.distributed_timeout_minutes

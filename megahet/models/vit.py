@@ -63,7 +63,7 @@ class ViTClassifier(MegatronModule):
         p = self.patch_size
         patches = images.unfold(2, p, p).unfold(3, p, p)  # (b, c, H/p, W/p, p, p)
         patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(b, self.num_patches, c * p * p)
-        x = self.patch_embedding(patches)  # (b, n, h)
+        x = self.patch_embedding(patches.to(self.patch_embedding.weight.dtype))  # (b, n, h)
         x = torch.cat([self.cls_token.expand(b, -1, -1), x], dim=1) + self.position_embeddings  # (b, n+1, h)
         return x.transpose(0, 1).contiguous()  # (s, b, h), megatron-core's layout
 

@@ -115,9 +115,24 @@ def lr_lambda(cfg: MegahetConfig):
     return factor
 
 
+def mark_pipeline_copies(model: torch.nn.Module) -> int:
+    """Flag the parameters that duplicate another stage's (megatron-core's `shared`: the last stage's
+    tied word embedding when PP > 1) as `ds_pipe_replicated`, so that DeepSpeed's gradient norm, summed
+    over the TP x PP group, counts them once (megatron-core's own clipping skips `shared` the same way).
+    Without it the tied embedding's gradient is counted twice and gradient clipping under PP differs
+    from PP=1. Returns the number of parameters flagged."""
+    flagged = 0
+    for param in model.parameters():
+        if getattr(param, "shared", False):
+            param.ds_pipe_replicated = True
+            flagged += 1
+    return flagged
+
+
 def build_engine(cfg: MegahetConfig, model: torch.nn.Module, dp_size: int, user_ds: dict[str, Any]):
     """deepspeed.initialize with megatron-core's process groups (the mpu adapter) and our schedule."""
     ds_config = deepspeed_config(cfg, dp_size, user_ds)
+    mark_pipeline_copies(model)
     scheduler = None
     if "scheduler" not in ds_config:
 

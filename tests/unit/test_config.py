@@ -66,7 +66,7 @@ def test_ffn_size_uses_explicit_value() -> None:
 
 def test_to_dict_has_every_section() -> None:
     d = load_config(["--train.lr", "0.5"]).to_dict()
-    assert set(d) == {"model", "parallel", "train", "data", "logging"}
+    assert {"model", "parallel", "train", "data", "logging"} <= set(d)
     assert d["train"]["lr"] == 0.5
 
 

@@ -121,12 +121,39 @@ class LoggingConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
+class ResizeConfig:
+    """ZERO-resizing: slow ranks drop a fraction gamma of their work units (see README)."""
+
+    enabled: bool = False
+    """Build the models with megahet's resizable TP layers; implied by `gamma`."""
+    gamma: str | None = None
+    """Static resizing: 'TP:GAMMA' for every DP replica of a TP rank, or 'DP.TP:GAMMA', comma-separated."""
+    block_gamma: str | None = None
+    """Per-block overrides for resized ranks: 'mlp:LAYER=GAMMA,attn:LAYER=GAMMA' (global 1-based layers)."""
+    imputation: Literal["zero", "same", "average"] = "zero"
+    """Gradient of units no replica computed: zero (frozen), same (last measured), average (mean of kept)."""
+    selection: Literal["random", "priority"] = "priority"
+    """Which units to drop: random (seeded) or priority (least weight movement first)."""
+    reselect_interval: int = 10
+    """Steps between two selections of the dropped units."""
+    max_drop_steps: int = 50
+    """Fairness guard: a unit dropped this many consecutive steps is kept at the next selection."""
+    score_decay: float = 0.9
+    """EMA decay of the priority score (per-unit L1 norm of the weight change per step)."""
+
+    @property
+    def active(self) -> bool:
+        return self.enabled or bool(self.gamma)
+
+
+@dataclasses.dataclass(kw_only=True)
 class MegahetConfig:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    resize: ResizeConfig = dataclasses.field(default_factory=ResizeConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -305,4 +332,24 @@ def validate(cfg: MegahetConfig, world_size: int) -> int:
     _require(
         t.lr > 0 and t.min_lr >= 0, f"train.lr must be > 0 and train.min_lr >= 0 (got {t.lr}, {t.min_lr})"
     )
+    _validate_resize(cfg, dp)
     return dp
+
+
+def _validate_resize(cfg: MegahetConfig, dp: int) -> None:
+    from megahet.balance.resize_planner import parse_block_gammas, parse_rank_gammas
+
+    r = cfg.resize
+    try:
+        parse_rank_gammas(r.gamma, dp, cfg.parallel.tp)
+        blocks = parse_block_gammas(r.block_gamma)
+    except ValueError as err:
+        raise ConfigError(f"resize: {err}") from None
+    for kind, layer in blocks:
+        _require(
+            1 <= layer <= cfg.model.num_layers,
+            f"resize.block_gamma names {kind}:{layer}, but layers are 1..{cfg.model.num_layers}",
+        )
+    _require(r.reselect_interval > 0, f"resize.reselect_interval must be positive, got {r.reselect_interval}")
+    _require(r.max_drop_steps > 0, f"resize.max_drop_steps must be positive, got {r.max_drop_steps}")
+    _require(0.0 <= r.score_decay < 1.0, f"resize.score_decay must be in [0, 1), got {r.score_decay}")

@@ -118,9 +118,17 @@ def finalize_grads(model: torch.nn.Module) -> None:
 
 class Trainer:
     def __init__(
-        self, cfg: MegahetConfig, task: Task, engine, layout: ParallelLayout, logger: TrainingLogger
+        self,
+        cfg: MegahetConfig,
+        task: Task,
+        engine,
+        layout: ParallelLayout,
+        logger: TrainingLogger,
+        step_hooks: list | None = None,
     ):
         self.cfg, self.task, self.engine, self.layout, self.logger = cfg, task, engine, layout, logger
+        self.step_hooks = step_hooks or []
+        """Objects with before_forward_backward(step), before_step(engine), after_step(engine)."""
         t = cfg.train
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * layout.dp_size)
         self.timers = ComputeTimers()
@@ -145,6 +153,8 @@ class Trainer:
     def forward_backward(self) -> list[dict]:
         """Zero the gradients and run the schedule over one global batch; gradients are then final
         (tied embeddings reduced) but not yet reduced over DP. Returns the last stage's loss dicts."""
+        for hook in self.step_hooks:
+            hook.before_forward_backward(self.iteration)
         self.engine.zero_grad()
         return self._run_schedule(self.task.train_data, self.num_microbatches, forward_only=False)
 
@@ -153,7 +163,11 @@ class Trainer:
         t0 = time.perf_counter()
         compute0 = self.timers.compute_s
         outputs = self.forward_backward()
+        for hook in self.step_hooks:
+            hook.before_step(self.engine)
         self.engine.step()
+        for hook in self.step_hooks:
+            hook.after_step(self.engine)
         self.iteration += 1
         loss = _mean_over_dp([out["loss"] for out in outputs]) if outputs else float("nan")
         grad_norm = self.engine.get_global_grad_norm()
@@ -244,7 +258,13 @@ def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
         f"DP {layout.dp_size}, ZeRO-{cfg.parallel.zero_stage}, {cfg.train.precision}, "
         f"{sum(p.numel() for p in task.model.parameters())} parameters on this rank"
     )
-    return Trainer(cfg, task, engine, layout, logger)
+    hooks = []
+    if cfg.resize.active:
+        from megahet.resizing import ResizeController
+
+        num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.dp_size)
+        hooks.append(ResizeController(cfg, task.model, layout, num_microbatches))
+    return Trainer(cfg, task, engine, layout, logger, hooks)
 
 
 def pretrain(cfg: MegahetConfig, spec: TaskSpec) -> list[dict[str, Any]]:

@@ -63,3 +63,26 @@ def local_layer_spec(attn_mask_type: AttnMaskType = AttnMaskType.causal) -> Modu
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="LayerNorm"))
     spec.submodules.self_attention.params["attn_mask_type"] = attn_mask_type
     return spec
+
+
+def resizable_layer_spec(attn_mask_type: AttnMaskType = AttnMaskType.causal) -> ModuleSpec:
+    """The local layer spec with megahet's resizable attention and TP linears plugged in."""
+    from megahet.tensor_parallel.layers import (
+        ResizableColumnParallelLinear,
+        ResizableRowParallelLinear,
+        ResizableSelfAttention,
+    )
+
+    spec = local_layer_spec(attn_mask_type)
+    attention, mlp = spec.submodules.self_attention, spec.submodules.mlp
+    attention.module = ResizableSelfAttention
+    attention.submodules.linear_qkv = ResizableColumnParallelLinear
+    attention.submodules.linear_proj = ResizableRowParallelLinear
+    mlp.submodules.linear_fc1 = ResizableColumnParallelLinear
+    mlp.submodules.linear_fc2 = ResizableRowParallelLinear
+    return spec
+
+
+def default_layer_spec(cfg: MegahetConfig, attn_mask_type: AttnMaskType = AttnMaskType.causal) -> ModuleSpec:
+    """Resizable layers when resizing is on, else megatron-core's own local layers."""
+    return resizable_layer_spec(attn_mask_type) if cfg.resize.active else local_layer_spec(attn_mask_type)

@@ -10,7 +10,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megahet.config import MegahetConfig
-from megahet.models.common import local_layer_spec, transformer_config
+from megahet.models.common import default_layer_spec, transformer_config
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -24,7 +24,7 @@ def build_gpt(cfg: MegahetConfig, vocab_size: int, layer_spec: ModuleSpec | None
     m = cfg.model
     return GPTModel(
         config=transformer_config(cfg),
-        transformer_layer_spec=layer_spec or local_layer_spec(),
+        transformer_layer_spec=layer_spec or default_layer_spec(cfg),
         vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, cfg.parallel.tp),
         max_sequence_length=m.seq_length,
         pre_process=ps.is_pipeline_first_stage(),

@@ -19,7 +19,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 
 from megahet.config import MegahetConfig, ModelConfig
-from megahet.models.common import local_layer_spec, transformer_config
+from megahet.models.common import default_layer_spec, transformer_config
 
 
 class ViTClassifier(MegatronModule):
@@ -80,7 +80,7 @@ def build_vit(cfg: MegahetConfig, layer_spec: ModuleSpec | None = None) -> ViTCl
     return ViTClassifier(
         transformer_config(cfg),
         cfg.model,
-        layer_spec or local_layer_spec(AttnMaskType.no_mask),
+        layer_spec or default_layer_spec(cfg, AttnMaskType.no_mask),
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
     )

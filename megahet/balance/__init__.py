@@ -1,0 +1,1 @@
+"""Balancing policy: pure functions from measurements to plans (no processes, no tensors on devices)."""

@@ -1,0 +1,85 @@
+"""ZERO-resizing planner: per-rank gammas -> a ResizePlan. Pure functions.
+
+Resizing a rank by gamma drops floor(gamma * units) of its units in every resizable block, unless a
+per-block override gives that block its own gamma. Which units: a `choose(block, rank, n_drop)`
+callback (random or priority selection, see selection.py).
+
+    gammas = parse_rank_gammas("0:0.5", dp_size=2, tp_size=4)   # TP rank 0 of every DP replica
+    plan = plan_resize(block_units, gammas, choose, overrides={("mlp", 2): 0.25})
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+from megahet.tensor_parallel.plan import BlockKey, RankKey, ResizePlan, parse_block_name
+
+Choose = Callable[[BlockKey, RankKey, int], tuple[int, ...]]
+
+
+def units_to_drop(num_units: int, gamma: float) -> int:
+    """floor(gamma * units), keeping at least one unit."""
+    if not 0.0 <= gamma < 1.0:
+        raise ValueError(f"gamma must be in [0, 1), got {gamma}")
+    return min(math.floor(gamma * num_units + 1e-9), num_units - 1)
+
+
+def parse_rank_gammas(text: str | None, dp_size: int, tp_size: int) -> dict[RankKey, float]:
+    """'TP:GAMMA' (every DP replica of that TP rank) or 'DP.TP:GAMMA', comma-separated."""
+    gammas: dict[RankKey, float] = {}
+    for item in filter(None, (text or "").replace(" ", "").split(",")):
+        rank, sep, value = item.partition(":")
+        try:
+            gamma = float(value)
+            if "." in rank:
+                dp, tp = (int(x) for x in rank.split("."))
+                ranks = [(dp, tp)]
+            else:
+                tp = int(rank)
+                ranks = [(dp, tp) for dp in range(dp_size)]
+        except ValueError:
+            raise ValueError(f"bad resize entry {item!r}: use TP_RANK:GAMMA or DP_RANK.TP_RANK:GAMMA") from None
+        for dp, tp in ranks:
+            if not (0 <= dp < dp_size and 0 <= tp < tp_size) or not sep:
+                raise ValueError(f"resize entry {item!r} names no rank of DP {dp_size} x TP {tp_size}")
+            if not 0.0 <= gamma < 1.0:
+                raise ValueError(f"resize entry {item!r}: gamma must be in [0, 1)")
+            gammas[(dp, tp)] = gamma
+    return gammas
+
+
+def parse_block_gammas(text: str | None) -> dict[BlockKey, float]:
+    """'mlp:3=0.25,attn:1=0': per-block gamma overrides for every resized rank."""
+    overrides: dict[BlockKey, float] = {}
+    for item in filter(None, (text or "").replace(" ", "").split(",")):
+        name, sep, value = item.partition("=")
+        try:
+            block, gamma = parse_block_name(name), float(value)
+        except ValueError:
+            raise ValueError(f"bad block override {item!r}: use mlp:LAYER=GAMMA or attn:LAYER=GAMMA") from None
+        if not sep or not 0.0 <= gamma < 1.0:
+            raise ValueError(f"bad block override {item!r}: gamma must be in [0, 1)")
+        overrides[block] = gamma
+    return overrides
+
+
+def plan_resize(
+    block_units: Mapping[BlockKey, int],
+    rank_gammas: Mapping[RankKey, float],
+    choose: Choose,
+    overrides: Mapping[BlockKey, float] | None = None,
+) -> ResizePlan:
+    """Dropped units per block for every resized rank (gamma > 0); other ranks drop nothing."""
+    overrides = overrides or {}
+    blocks = {}
+    for block, num_units in sorted(block_units.items()):
+        entry = {}
+        for rank, gamma in sorted(rank_gammas.items()):
+            if gamma <= 0.0:
+                continue
+            n_drop = units_to_drop(num_units, overrides.get(block, gamma))
+            if n_drop:
+                entry[rank] = tuple(choose(block, rank, n_drop))
+        blocks[block] = entry
+    return ResizePlan(blocks)

@@ -1,0 +1,98 @@
+"""Resizable blocks of a model: the two TP layers that share work units, found by walking the model.
+
+    blocks = find_blocks(model)             # {("mlp", 1): Block, ("attn", 1): Block, ...}
+    blocks[("mlp", 1)].apply(kept_units)     # the layers compute only those units
+
+A block knows how its units map onto parameters: an MLP unit is fc1 row u (+ bias u) and fc2
+column u; an attention head h is linear_qkv rows [3*hn*h, 3*hn*(h+1)) (+ biases) and linear_proj
+columns [hn*h, hn*(h+1)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from megahet.tensor_parallel.layers import (
+    ResizableColumnParallelLinear,
+    ResizableRowParallelLinear,
+    ResizableSelfAttention,
+)
+from megahet.tensor_parallel.plan import BlockKey
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # identity semantics: a key in per-parameter dicts
+class UnitParam:
+    """A parameter whose slices along `dim` are work units of `width` elements each."""
+
+    param: torch.nn.Parameter
+    dim: int
+    width: int
+
+    def units(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A view of `tensor` (shaped like the parameter) with the unit axis first: (units, ...)."""
+        return tensor.unflatten(self.dim, (-1, self.width)).movedim(self.dim, 0)
+
+
+@dataclasses.dataclass
+class Block:
+    key: BlockKey
+    column: ResizableColumnParallelLinear
+    row: ResizableRowParallelLinear
+    attention: ResizableSelfAttention | None
+    num_units: int
+    column_width: int
+    row_width: int
+
+    @property
+    def unit_params(self) -> list[UnitParam]:
+        params = [UnitParam(self.column.weight, 0, self.column_width)]
+        if self.column.bias is not None:
+            params.append(UnitParam(self.column.bias, 0, self.column_width))
+        params.append(UnitParam(self.row.weight, 1, self.row_width))
+        return params
+
+    def apply(self, kept: torch.Tensor | None) -> None:
+        """Compute only `kept` units (sorted local indexes), or all of them when None."""
+        if kept is not None and len(kept) == self.num_units:
+            kept = None
+        if self.attention is not None:
+            self.attention.set_kept(kept)
+            return
+        self.column.set_kept(kept)
+        self.row.set_kept(kept)
+
+    @property
+    def executed_flops(self) -> int:
+        core = self.attention.executed_flops if self.attention is not None else 0
+        return self.column.executed_flops + self.row.executed_flops + core
+
+
+def find_blocks(model: torch.nn.Module) -> dict[BlockKey, Block]:
+    """Every resizable attention and MLP block of this rank's stage, keyed by global layer number."""
+    blocks = {}
+    for module in model.modules():
+        if not isinstance(module, TransformerLayer):
+            continue
+        attention, mlp = module.self_attention, module.mlp
+        if isinstance(attention, ResizableSelfAttention):
+            hn = attention.hidden_size_per_attention_head
+            blocks[("attn", module.layer_number)] = Block(
+                ("attn", module.layer_number),
+                attention.linear_qkv,
+                attention.linear_proj,
+                attention,
+                attention.num_local_heads,
+                3 * hn,
+                hn,
+            )
+        fc1 = getattr(mlp, "linear_fc1", None)
+        if isinstance(fc1, ResizableColumnParallelLinear):
+            if mlp.config.gated_linear_unit:
+                raise NotImplementedError("resizable MLP blocks do not support gated linear units")
+            blocks[("mlp", module.layer_number)] = Block(
+                ("mlp", module.layer_number), fc1, mlp.linear_fc2, None, fc1.weight.shape[0], 1, 1
+            )
+    return blocks

@@ -1,0 +1,204 @@
+"""Executes a ResizePlan on this rank: layer index sets, gradient policy, optimizer freeze, statistics.
+
+    executor = ResizeExecutor(model, dp_rank=0, tp_rank=1, dp_size=2, imputation="zero", num_microbatches=4)
+    executor.apply(plan)              # between steps; no model or engine rebuild
+    ... forward/backward ...          # gradient hooks impute and rescale per micro-batch
+    executor.before_step(optimizer)   # remember the frozen units
+    engine.step()
+    executor.after_step(optimizer)    # restore them; update statistics
+
+Gradient policy, per unit u of this TP rank's shard, with k_u = DP replicas that compute u:
+- 0 < k_u: replicas that dropped u contribute zero and the others scale u's gradient by D / k_u
+  before the data-parallel mean, so u's gradient is averaged over the replicas that computed it
+  (count-aware averaging; with one plan on every replica, k_u = D and nothing changes).
+- k_u = 0 (no replica computed u) — imputation:
+  - "zero": no gradient, and the unit is frozen: its weights, fp32 master copy and AdamW moments
+    are restored after the optimizer step, so neither momentum nor weight decay moves it.
+  - "same": u's gradient is its last measured gradient (from the last step it was computed), and
+    AdamW updates u as usual (momentum and weight decay apply).
+  - "average": u's gradient is the mean of the gradients of the units this rank computed in the
+    same parameter, and AdamW updates u as usual.
+The hooks run on every micro-batch's gradient before it is accumulated, so they work the same
+under ZeRO-1 and ZeRO-2 (which reduce-scatters during the backward pass).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import numpy as np
+import torch
+
+from megahet.tensor_parallel.blocks import Block, UnitParam, find_blocks
+from megahet.tensor_parallel.plan import BlockKey, ResizePlan
+
+Imputation = Literal["zero", "same", "average"]
+
+
+@dataclasses.dataclass
+class _BlockState:
+    computed: torch.Tensor  # (units,) bool: this rank computes the unit
+    count: torch.Tensor  # (units,) int: DP replicas that compute the unit
+    scale: torch.Tensor  # (units,) float: D / k_u where 0 < k_u, else 1
+
+    @property
+    def imputed(self) -> torch.Tensor:
+        return torch.nonzero(self.count == 0).flatten()
+
+
+class ResizeExecutor:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        dp_rank: int,
+        tp_rank: int,
+        dp_size: int,
+        imputation: Imputation = "zero",
+        num_microbatches: int = 1,
+        track_weight_change: bool = False,
+    ):
+        if imputation not in ("zero", "same", "average"):
+            raise ValueError(f"imputation must be zero, same or average, got {imputation!r}")
+        self.blocks: dict[BlockKey, Block] = find_blocks(model)
+        self.dp_rank, self.tp_rank, self.dp_size = dp_rank, tp_rank, dp_size
+        self.imputation, self.num_microbatches = imputation, num_microbatches
+        self.plan = ResizePlan()
+        self._state: dict[BlockKey, _BlockState | None] = dict.fromkeys(self.blocks)
+        self._last_grad: dict[UnitParam, torch.Tensor] = {}
+        self._step_grad: dict[UnitParam, torch.Tensor] = {}
+        self._previous: dict[UnitParam, torch.Tensor] = {}
+        self._frozen: list = []
+        self.weight_change: dict[BlockKey, np.ndarray] = {}
+        for block in self.blocks.values():
+            for up in block.unit_params:
+                up.param.register_hook(self._make_hook(block.key, up))
+                if imputation == "same":
+                    self._last_grad[up] = torch.zeros_like(up.param, dtype=torch.float32)
+                    self._step_grad[up] = torch.zeros_like(up.param, dtype=torch.float32)
+                if track_weight_change:
+                    self._previous[up] = up.param.detach().clone()
+
+    @property
+    def block_units(self) -> dict[BlockKey, int]:
+        return {key: block.num_units for key, block in self.blocks.items()}
+
+    def executed_flops(self) -> int:
+        """Forward GEMM FLOPs executed by this rank's resizable blocks since construction."""
+        return sum(block.executed_flops for block in self.blocks.values())
+
+    def computed_units(self, key: BlockKey) -> np.ndarray:
+        state = self._state[key]
+        return np.ones(self.blocks[key].num_units, bool) if state is None else state.computed.numpy()
+
+    def apply(self, plan: ResizePlan) -> None:
+        """Make the layers execute `plan` from the next forward pass on."""
+        self.plan = plan
+        for key, block in self.blocks.items():
+            n = block.num_units
+            counts = torch.tensor(plan.compute_counts(key, self.tp_rank, self.dp_size, n))
+            dropped = torch.tensor(plan.dropped(key, self.dp_rank, self.tp_rank), dtype=torch.long)
+            computed = torch.ones(n, dtype=torch.bool)
+            computed[dropped] = False
+            if bool(computed.all()) and bool((counts == self.dp_size).all()):
+                self._state[key] = None
+                block.apply(None)
+                continue
+            scale = torch.where(counts > 0, self.dp_size / counts.clamp(min=1).float(), torch.ones(n))
+            self._state[key] = _BlockState(computed, counts, scale)
+            block.apply(torch.nonzero(computed).flatten())
+
+    def _make_hook(self, key: BlockKey, up: UnitParam):
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            state = self._state[key]
+            if self.imputation == "same":
+                self._step_grad[up] += grad.float()
+            if state is None:
+                return grad
+            grad = grad.clone()
+            units = up.units(grad)  # (units, ...)
+            imputed = state.imputed
+            if len(imputed) and self.imputation == "average":
+                units[imputed] = units[state.computed].mean(dim=0).to(grad.dtype)
+            elif len(imputed) and self.imputation == "same":
+                units[imputed] = (up.units(self._last_grad[up])[imputed] / self.num_microbatches).to(grad.dtype)
+            units.mul_(state.scale.to(grad.dtype).view(-1, *[1] * (units.dim() - 1)))
+            return grad
+
+        return hook
+
+    def before_step(self, optimizer=None) -> None:
+        """Under the zero policy, remember every frozen unit's weights and optimizer state."""
+        self._frozen = []
+        if self.imputation != "zero":
+            return
+        for key, block in self.blocks.items():
+            state = self._state[key]
+            if state is None or not len(state.imputed):
+                continue
+            for up in block.unit_params:
+                mask = torch.zeros(up.param.shape, dtype=torch.bool)
+                up.units(mask)[state.imputed] = True
+                self._frozen.append(_FrozenSlice.capture(up.param, mask.view(-1), optimizer))
+
+    def after_step(self, optimizer=None) -> None:
+        """Restore frozen units; refresh 'same' gradients and weight-change statistics."""
+        for frozen in self._frozen:
+            frozen.restore(optimizer)
+        self._frozen = []
+        for key, block in self.blocks.items():
+            computed = self.computed_units(key)
+            change = np.zeros(block.num_units)
+            for up in block.unit_params:
+                if up in self._step_grad:
+                    keep = torch.from_numpy(computed)
+                    up.units(self._last_grad[up])[keep] = up.units(self._step_grad[up])[keep]
+                    self._step_grad[up].zero_()
+                if up in self._previous:
+                    now = up.param.detach()
+                    change += up.units((now - self._previous[up]).abs().float()).flatten(1).sum(1).numpy()
+                    self._previous[up] = now.clone()
+            self.weight_change[key] = change
+
+
+@dataclasses.dataclass
+class _FrozenSlice:
+    """The values of some elements of a parameter: module copy, DeepSpeed fp32 master, optimizer state."""
+
+    param: torch.nn.Parameter
+    flat_mask: torch.Tensor
+    module_values: torch.Tensor
+    master: tuple | None  # (local mask, fp32 values, {state key: values}) of this rank's ZeRO fragment
+    torch_state: dict[str, torch.Tensor]
+
+    @classmethod
+    @torch.no_grad()
+    def capture(cls, param, flat_mask, optimizer) -> _FrozenSlice:
+        master = None
+        fragment = getattr(param, "_hp_mapping", None)  # DeepSpeed ZeRO-1/2 link to the fp32 partition
+        if fragment is not None:
+            addr = fragment.lp_fragment_address
+            local = flat_mask[addr.start : addr.start + addr.numel]
+            states = {k: v[local].clone() for k, v in (fragment.optim_fragment or {}).items()}
+            master = (local, fragment.hp_fragment[local].clone(), states)
+        torch_state = {}
+        if optimizer is not None and param in getattr(optimizer, "state", {}):
+            for k, v in optimizer.state[param].items():
+                if torch.is_tensor(v) and v.shape == param.shape:
+                    torch_state[k] = v.view(-1)[flat_mask].clone()
+        return cls(param, flat_mask, param.data.view(-1)[flat_mask].clone(), master, torch_state)
+
+    @torch.no_grad()
+    def restore(self, optimizer) -> None:
+        self.param.data.view(-1)[self.flat_mask] = self.module_values
+        fragment = getattr(self.param, "_hp_mapping", None)
+        if self.master is not None and fragment is not None:
+            local, values, states = self.master
+            fragment.hp_fragment[local] = values
+            for k, v in (fragment.optim_fragment or {}).items():
+                v[local] = states.get(k, 0.0)  # state created by this step: as if never stepped
+        if optimizer is not None and self.param in getattr(optimizer, "state", {}):
+            for k, v in optimizer.state[self.param].items():
+                if torch.is_tensor(v) and v.shape == self.param.shape:
+                    v.view(-1)[self.flat_mask] = self.torch_state.get(k, 0.0)

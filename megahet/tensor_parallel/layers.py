@@ -1,0 +1,161 @@
+"""Resizable tensor-parallel layers: megatron-core's TP linears and self-attention, computing a subset.
+
+Each layer executes the index set it is given (`set_kept`) and nothing else; which units to keep
+is decided elsewhere (the plan). With no index set they are megatron-core's layers exactly.
+
+- `ResizableColumnParallelLinear`: computes only the kept output rows of its shard. Its input is
+  replicated across the TP group, so the backward still all-reduces the input gradient over the
+  whole group; the output is narrower: (s, b, kept rows).
+- `ResizableRowParallelLinear`: consumes that narrower input with the matching kept columns and
+  all-reduces a full-width partial sum; dropped units contribute zero and the all-reduce keeps
+  its shape.
+- `ResizableSelfAttention`: runs megatron-core's attention over the kept heads only.
+
+Both GEMMs of a block shrink together, so a resized rank executes proportionally fewer FLOPs;
+every layer counts the FLOPs it executed (`executed_flops`, forward GEMMs) for measurement.
+Sequence parallelism is not supported while resized (a clear error says so).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    copy_to_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
+from megatron.core.transformer.attention import SelfAttention
+
+
+def _tokens(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1]
+
+
+def _check_resizable(layer) -> None:
+    if layer.sequence_parallel:
+        raise NotImplementedError(
+            "resizing with sequence parallelism is not supported: disable sequence_parallel or resizing"
+        )
+
+
+class ResizableColumnParallelLinear(ColumnParallelLinear):
+    """ColumnParallelLinear that computes only `kept` output rows of its shard."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.kept: torch.Tensor | None = None
+        self.executed_flops = 0
+
+    def set_kept(self, rows: torch.Tensor | None) -> None:
+        """Local output rows to compute (sorted int64), or None for all."""
+        if rows is not None:
+            _check_resizable(self)
+            if self.gather_output:
+                raise NotImplementedError("a resized column-parallel layer cannot gather its output")
+        self.kept = rows
+
+    def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output=None):
+        if self.kept is None:
+            self.executed_flops += 2 * _tokens(input_) * self.weight.shape[0] * self.weight.shape[1]
+            return super().forward(input_, weight, runtime_gather_output)
+        x = copy_to_tensor_model_parallel_region(input_)  # (s, b, h); all-reduces dgrad over TP
+        w = self.weight.index_select(0, self.kept)  # (kept, h)
+        bias = self.bias.index_select(0, self.kept) if self.bias is not None else None
+        out = F.linear(x, w, None if self.skip_bias_add else bias)  # (s, b, kept)
+        self.executed_flops += 2 * _tokens(input_) * w.shape[0] * w.shape[1]
+        return out, (bias if self.skip_bias_add else None)
+
+
+class ResizableRowParallelLinear(RowParallelLinear):
+    """RowParallelLinear that consumes only `kept` input columns of its shard."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.kept: torch.Tensor | None = None
+        self.executed_flops = 0
+
+    def set_kept(self, cols: torch.Tensor | None) -> None:
+        """Local input columns to consume (sorted int64), or None for all."""
+        if cols is not None:
+            _check_resizable(self)
+            if not self.input_is_parallel:
+                raise NotImplementedError("a resized row-parallel layer needs input_is_parallel=True")
+        self.kept = cols
+
+    def forward(self, input_: torch.Tensor):
+        if self.kept is None:
+            self.executed_flops += 2 * _tokens(input_) * self.weight.shape[0] * self.weight.shape[1]
+            return super().forward(input_)
+        w = self.weight.index_select(1, self.kept)  # (h, kept)
+        partial = F.linear(input_, w)  # (s, b, kept) -> (s, b, h): this rank's partial sum
+        self.executed_flops += 2 * _tokens(input_) * w.shape[0] * w.shape[1]
+        out = reduce_from_tensor_model_parallel_region(partial)  # full-width all-reduce over TP
+        if self.skip_bias_add:
+            return out, self.bias
+        return (out + self.bias if self.bias is not None else out), None
+
+
+class ResizableSelfAttention(SelfAttention):
+    """megatron-core SelfAttention over a subset of this rank's heads (multi-head attention only)."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        if config.num_query_groups not in (None, config.num_attention_heads):
+            raise NotImplementedError("resizable attention needs multi-head attention (num_query_groups == heads)")
+        self.kept_heads: torch.Tensor | None = None
+        self.executed_flops = 0
+
+    @property
+    def num_local_heads(self) -> int:
+        return self.num_attention_heads_per_partition
+
+    def set_kept(self, heads: torch.Tensor | None) -> None:
+        """Local heads to run (sorted int64), or None for all; sets the projections' rows/columns."""
+        self.kept_heads = heads
+        hn = self.hidden_size_per_attention_head
+        if heads is None:
+            self.linear_qkv.set_kept(None)
+            self.linear_proj.set_kept(None)
+            return
+        # megatron-core's fused QKV layout per head (MHA): [q (hn), k (hn), v (hn)] rows.
+        self.linear_qkv.set_kept((heads[:, None] * 3 * hn + torch.arange(3 * hn)).reshape(-1))
+        self.linear_proj.set_kept((heads[:, None] * hn + torch.arange(hn)).reshape(-1))
+
+    @contextlib.contextmanager
+    def _running_heads(self, n: int):
+        """Make megatron-core's attention reshape to n local heads for the duration of one call."""
+        core = self.core_attention
+        saved = (
+            self.num_attention_heads_per_partition,
+            self.num_query_groups_per_partition,
+            core.num_attention_heads_per_partition,
+            core.num_query_groups_per_partition,
+            core.hidden_size_per_partition,
+        )
+        hn = self.hidden_size_per_attention_head
+        self.num_attention_heads_per_partition = self.num_query_groups_per_partition = n
+        core.num_attention_heads_per_partition = core.num_query_groups_per_partition = n
+        core.hidden_size_per_partition = n * hn
+        try:
+            yield
+        finally:
+            (
+                self.num_attention_heads_per_partition,
+                self.num_query_groups_per_partition,
+                core.num_attention_heads_per_partition,
+                core.num_query_groups_per_partition,
+                core.hidden_size_per_partition,
+            ) = saved
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        heads = self.num_local_heads if self.kept_heads is None else len(self.kept_heads)
+        s, b = hidden_states.shape[0], hidden_states.shape[1]
+        self.executed_flops += 4 * b * s * s * heads * self.hidden_size_per_attention_head  # QK^T and AV
+        if self.kept_heads is None:
+            return super().forward(hidden_states, *args, **kwargs)
+        with self._running_heads(heads):
+            return super().forward(hidden_states, *args, **kwargs)

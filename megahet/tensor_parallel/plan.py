@@ -1,0 +1,84 @@
+"""The work-unit plan: which units of which layer each rank drops. Pure data, serializable.
+
+Glossary: a *work unit* is the granule that is resized (and later migrated): an MLP hidden unit
+(one fc1 output row with its bias entry and the matching fc2 input column) or an attention head (its
+q, k, v rows of linear_qkv and the matching columns of linear_proj). A *block* is the pair of GEMMs
+that share units: ("mlp", layer) or ("attn", layer), with megatron-core's global 1-based layer number.
+Unit indexes are local to a TP rank's shard: 0 .. units_per_rank - 1.
+
+    plan = ResizePlan.from_dict({"blocks": {"mlp:1": {"0,1": [3, 7]}}})   # DP 0, TP 1 drops units 3, 7
+    plan.dropped(("mlp", 1), dp_rank=0, tp_rank=1)                       # (3, 7)
+
+The plan is the paper's lookup table <layer, matrix, dropped indexes>, one entry per rank. It is
+identical on every rank (each rank executes its own entry) and can change between any two steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Literal
+
+UnitKind = Literal["mlp", "attn"]
+BlockKey = tuple[str, int]  # (kind, layer_number)
+RankKey = tuple[int, int]  # (dp_rank, tp_rank)
+
+
+def block_name(block: BlockKey) -> str:
+    return f"{block[0]}:{block[1]}"
+
+
+def parse_block_name(name: str) -> BlockKey:
+    kind, _, layer = name.partition(":")
+    if kind not in ("mlp", "attn") or not layer.isdigit():
+        raise ValueError(f"bad block name {name!r}: expected 'mlp:<layer>' or 'attn:<layer>'")
+    return kind, int(layer)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResizePlan:
+    """{block: {(dp_rank, tp_rank): sorted dropped unit indexes}}; absent entries drop nothing."""
+
+    blocks: Mapping[BlockKey, Mapping[RankKey, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
+
+    def dropped(self, block: BlockKey, dp_rank: int, tp_rank: int) -> tuple[int, ...]:
+        return tuple(self.blocks.get(block, {}).get((dp_rank, tp_rank), ()))
+
+    def compute_counts(self, block: BlockKey, tp_rank: int, dp_size: int, num_units: int) -> list[int]:
+        """For each unit of this TP rank's shard: how many DP replicas compute it (0 .. dp_size)."""
+        counts = [dp_size] * num_units
+        for dp_rank in range(dp_size):
+            for unit in self.dropped(block, dp_rank, tp_rank):
+                counts[unit] -= 1
+        return counts
+
+    @property
+    def is_empty(self) -> bool:
+        return not any(units for ranks in self.blocks.values() for units in ranks.values())
+
+    def to_dict(self) -> dict:
+        return {
+            "blocks": {
+                block_name(block): {f"{dp},{tp}": list(units) for (dp, tp), units in ranks.items() if units}
+                for block, ranks in sorted(self.blocks.items())
+            }
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ResizePlan:
+        blocks = {}
+        for name, ranks in data.get("blocks", {}).items():
+            entry = {}
+            for key, units in ranks.items():
+                dp, _, tp = key.partition(",")
+                entry[(int(dp), int(tp))] = tuple(sorted(int(u) for u in units))
+            blocks[parse_block_name(name)] = entry
+        return cls(blocks)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ResizePlan:
+        return cls.from_dict(json.loads(text))

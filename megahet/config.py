@@ -257,7 +257,13 @@ def load_config(argv: list[str], defaults: MegahetConfig | None = None) -> Megah
         path = Path(config_file).expanduser()
         if not path.is_file():
             raise ConfigError(f"config file {config_file} not found: pass an existing YAML with --config")
-        apply_overrides(cfg, _flatten_yaml(yaml.safe_load(path.read_text()) or {}, config_file))
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as err:
+            where = getattr(err, "problem_mark", None)
+            line = f" at line {where.line + 1}" if where is not None else ""
+            raise ConfigError(f"config file {config_file} is not valid YAML{line}: fix its syntax") from None
+        apply_overrides(cfg, _flatten_yaml(data or {}, config_file))
     apply_overrides(cfg, overrides)
     return cfg
 
@@ -269,11 +275,16 @@ def load_deepspeed_json(path: str) -> dict[str, Any]:
             f"deepspeed config {path} not found: pass an existing JSON file with --deepspeed_config"
         )
     try:
-        return json.loads(file.read_text())
+        data = json.loads(file.read_text())
     except json.JSONDecodeError as err:
         raise ConfigError(
             f"deepspeed config {path} is not valid JSON ({err.msg} at line {err.lineno})"
         ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"deepspeed config {path} must be a JSON object of DeepSpeed settings, got a {type(data).__name__}"
+        )
+    return data
 
 
 def _require(condition: bool, message: str) -> None:
@@ -298,9 +309,13 @@ def validate(cfg: MegahetConfig, world_size: int) -> int:
         f"use a TP size that divides the head count",
     )
     _require(
-        m.hidden_size % p.tp == 0 and m.ffn_size % p.tp == 0,
-        f"parallel.tp {p.tp} does not divide model.hidden_size {m.hidden_size} / ffn size {m.ffn_size}: "
-        f"use a TP size that divides both",
+        m.hidden_size % p.tp == 0,
+        f"parallel.tp {p.tp} does not divide model.hidden_size {m.hidden_size}: use a TP size that divides it",
+    )
+    _require(
+        m.ffn_size % p.tp == 0,
+        f"parallel.tp {p.tp} does not divide the MLP size {m.ffn_size} (model.ffn_hidden_size, default "
+        f"4 * hidden_size): use a TP size that divides it or set model.ffn_hidden_size",
     )
     _require(
         m.num_layers % p.pp == 0,
@@ -331,6 +346,10 @@ def validate(cfg: MegahetConfig, world_size: int) -> int:
         _require(getattr(t, key) > 0, f"train.{key} must be positive, got {getattr(t, key)}")
     _require(
         t.lr > 0 and t.min_lr >= 0, f"train.lr must be > 0 and train.min_lr >= 0 (got {t.lr}, {t.min_lr})"
+    )
+    _require(
+        t.min_lr <= t.lr,
+        f"train.min_lr {t.min_lr} is above train.lr {t.lr}: the schedule decays from lr to min_lr; lower min_lr",
     )
     _validate_resize(cfg, dp)
     return dp

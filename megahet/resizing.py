@@ -39,14 +39,20 @@ class ResizeController:
         )
         units = self.executor.block_units
         self.scores = {block: np.full(n, np.inf) for block, n in units.items()}
-        self.drop_age = {(block, rank): np.zeros(n, int) for block, n in units.items() for rank in self.gammas}
+        self.drop_age = {
+            (block, rank): np.zeros(n, int) for block, n in units.items() for rank in self.gammas
+        }
         self.step = 0
 
     def _choose(self, block: BlockKey, rank: RankKey, n_drop: int) -> tuple[int, ...]:
         if self.cfg.selection == "random":
             kind = 0 if block[0] == "attn" else 1
-            return select_random(len(self.scores[block]), n_drop, (self.seed, self.step, block[1], kind, *rank))
-        return select_priority(self.scores[block], self.drop_age[(block, rank)], n_drop, self.cfg.max_drop_steps)
+            return select_random(
+                len(self.scores[block]), n_drop, (self.seed, self.step, block[1], kind, *rank)
+            )
+        return select_priority(
+            self.scores[block], self.drop_age[(block, rank)], n_drop, self.cfg.max_drop_steps
+        )
 
     def before_forward_backward(self, step: int) -> None:
         self.step = step

@@ -39,7 +39,9 @@ def parse_rank_gammas(text: str | None, dp_size: int, tp_size: int) -> dict[Rank
                 tp = int(rank)
                 ranks = [(dp, tp) for dp in range(dp_size)]
         except ValueError:
-            raise ValueError(f"bad resize entry {item!r}: use TP_RANK:GAMMA or DP_RANK.TP_RANK:GAMMA") from None
+            raise ValueError(
+                f"bad resize entry {item!r}: use TP_RANK:GAMMA or DP_RANK.TP_RANK:GAMMA"
+            ) from None
         for dp, tp in ranks:
             if not (0 <= dp < dp_size and 0 <= tp < tp_size) or not sep:
                 raise ValueError(f"resize entry {item!r} names no rank of DP {dp_size} x TP {tp_size}")
@@ -57,7 +59,9 @@ def parse_block_gammas(text: str | None) -> dict[BlockKey, float]:
         try:
             block, gamma = parse_block_name(name), float(value)
         except ValueError:
-            raise ValueError(f"bad block override {item!r}: use mlp:LAYER=GAMMA or attn:LAYER=GAMMA") from None
+            raise ValueError(
+                f"bad block override {item!r}: use mlp:LAYER=GAMMA or attn:LAYER=GAMMA"
+            ) from None
         if not sep or not 0.0 <= gamma < 1.0:
             raise ValueError(f"bad block override {item!r}: gamma must be in [0, 1)")
         overrides[block] = gamma

@@ -36,7 +36,9 @@ def select_priority(
     return tuple(sorted(int(u) for u in order[:n_drop]))
 
 
-def update_scores(scores: np.ndarray, weight_change: np.ndarray, computed: np.ndarray, decay: float) -> np.ndarray:
+def update_scores(
+    scores: np.ndarray, weight_change: np.ndarray, computed: np.ndarray, decay: float
+) -> np.ndarray:
     """EMA of each computed unit's weight-change norm; units not computed keep their score.
 
     Scores start at +inf (never measured: never preferred for dropping); a unit's first

@@ -122,7 +122,9 @@ class ResizeExecutor:
             if len(imputed) and self.imputation == "average":
                 units[imputed] = units[state.computed].mean(dim=0).to(grad.dtype)
             elif len(imputed) and self.imputation == "same":
-                units[imputed] = (up.units(self._last_grad[up])[imputed] / self.num_microbatches).to(grad.dtype)
+                units[imputed] = (up.units(self._last_grad[up])[imputed] / self.num_microbatches).to(
+                    grad.dtype
+                )
             units.mul_(state.scale.to(grad.dtype).view(-1, *[1] * (units.dim() - 1)))
             return grad
 

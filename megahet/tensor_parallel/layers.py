@@ -105,7 +105,9 @@ class ResizableSelfAttention(SelfAttention):
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
         if config.num_query_groups not in (None, config.num_attention_heads):
-            raise NotImplementedError("resizable attention needs multi-head attention (num_query_groups == heads)")
+            raise NotImplementedError(
+                "resizable attention needs multi-head attention (num_query_groups == heads)"
+            )
         self.kept_heads: torch.Tensor | None = None
         self.executed_flops = 0
 

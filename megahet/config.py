@@ -116,6 +116,8 @@ class LoggingConfig:
     wandb_run_name: str | None = None
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     tensorboard_dir: str | None = None
+    metrics_file: str | None = None
+    """Append every logged record as one JSON line ({"step": ..., metric: value}) to this file."""
     log_dir: str = "runs"
     """wandb and tensorboard files go under <log_dir>/<run name>."""
 

@@ -9,6 +9,7 @@ writes; every other rank gets a logger whose calls do nothing.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ class TrainingLogger:
         self.total = cfg.train.train_iters
         self._wandb = None
         self._tb = None
+        self._metrics_file = None
         if not self.active:
             return
         log = cfg.logging
@@ -61,6 +63,10 @@ class TrainingLogger:
                 config=cfg.to_dict(),
                 reinit="finish_previous",
             )
+        if log.metrics_file:
+            path = Path(log.metrics_file).expanduser()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._metrics_file = path.open("a")
         if log.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -80,9 +86,14 @@ class TrainingLogger:
         if self._tb is not None:
             for key, value in metrics.items():
                 self._tb.add_scalar(key, value, step)
+        if self._metrics_file is not None:
+            self._metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
+            self._metrics_file.flush()
 
     def close(self) -> None:
         if self._wandb is not None:
             self._wandb.finish()
         if self._tb is not None:
             self._tb.close()
+        if self._metrics_file is not None:
+            self._metrics_file.close()

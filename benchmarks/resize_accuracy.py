@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RESULTS, save_results  # noqa: E402
+from benchmarks.common import RESULTS, save_results
 
 CONFIGS = [(0.0, "none"), (0.25, "random"), (0.25, "priority"), (0.5, "random"), (0.5, "priority")]
 

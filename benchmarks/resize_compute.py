@@ -15,16 +15,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-from megatron.core.transformer.transformer_layer import TransformerLayer  # noqa: E402
+import torch
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from benchmarks.common import interleaved_medians, save_results  # noqa: E402
-from megahet.balance.resize_planner import plan_resize  # noqa: E402
-from megahet.balance.selection import select_random  # noqa: E402
-from megahet.config import MegahetConfig  # noqa: E402
-from megahet.models.common import resizable_layer_spec, transformer_config  # noqa: E402
-from megahet.parallel import initialize_parallel  # noqa: E402
-from megahet.tensor_parallel.executor import ResizeExecutor  # noqa: E402
+from benchmarks.common import interleaved_medians, save_results
+from megahet.balance.resize_planner import plan_resize
+from megahet.balance.selection import select_random
+from megahet.config import MegahetConfig
+from megahet.models.common import resizable_layer_spec, transformer_config
+from megahet.parallel import initialize_parallel
+from megahet.tensor_parallel.executor import ResizeExecutor
 
 GAMMAS = (0.0, 0.25, 0.5)
 

@@ -75,6 +75,10 @@ class ResizeController:
                 dropped[list(plan.dropped(block, *rank))] = True
                 self.drop_age[(block, rank)] = update_drop_age(self.drop_age[(block, rank)], dropped)
 
+    def evaluation(self):
+        """Evaluate the whole model: the plan is a training-time device, not part of the model."""
+        return self.executor.full_model()
+
     def metrics(self) -> dict[str, float]:
         """This rank's share of units dropped and its executed forward GFLOPs (resizable blocks)."""
         total = sum(self.executor.block_units.values())

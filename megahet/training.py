@@ -11,6 +11,7 @@ model, data and forward step), then calls `pretrain(cfg, spec)`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -183,7 +184,11 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Forward-only pass over eval_iters micro-batches per DP rank; summed metrics -> summary."""
         self.engine.eval()
-        outputs = self._run_schedule(self.task.eval_data(), self.cfg.train.eval_iters, forward_only=True)
+        with contextlib.ExitStack() as stack:
+            for hook in self.step_hooks:
+                if hasattr(hook, "evaluation"):
+                    stack.enter_context(hook.evaluation())
+            outputs = self._run_schedule(self.task.eval_data(), self.cfg.train.eval_iters, forward_only=True)
         self.engine.train()
         if not self.layout.is_last_stage:
             return {}

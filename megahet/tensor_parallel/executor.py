@@ -24,6 +24,7 @@ under ZeRO-1 and ZeRO-2 (which reduce-scatters during the backward pass).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Literal
 
@@ -108,6 +109,16 @@ class ResizeExecutor:
             scale = torch.where(counts > 0, self.dp_size / counts.clamp(min=1).float(), torch.ones(n))
             self._state[key] = _BlockState(computed, counts, scale)
             block.apply(torch.nonzero(computed).flatten())
+
+    @contextlib.contextmanager
+    def full_model(self):
+        """Run every unit (e.g. for evaluation), then return to the current plan."""
+        for block in self.blocks.values():
+            block.apply(None)
+        try:
+            yield
+        finally:
+            self.apply(self.plan)
 
     def _make_hook(self, key: BlockKey, up: UnitParam):
         def hook(grad: torch.Tensor) -> torch.Tensor:

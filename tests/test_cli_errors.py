@@ -76,6 +76,7 @@ def _cases(tmp: Path) -> dict[str, tuple[str, list[str], dict[str, str]]]:
     (tmp / "data.idx").write_bytes(b"")
     (tmp / "zero2.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     (tmp / "fp16.json").write_text(json.dumps({"fp16": {"enabled": True}}))
+    (tmp / "broken.yaml").write_text("model:\n  num_layers: [4\n")
     one = {"WORLD_SIZE": "1"}
     return {
         "tp_heads": ("gpt", ["--parallel.tp", "3"], one),
@@ -102,6 +103,7 @@ def _cases(tmp: Path) -> dict[str, tuple[str, list[str], dict[str, str]]]:
         "unknown_section": ("vit", ["--optimizer.lr", "2"], one),
         "bad_type": ("gpt", ["--train.lr", "fast"], one),
         "missing_config_file": ("gpt", ["--config", str(tmp / "missing.yaml")], one),
+        "malformed_yaml": ("vit", ["--config", str(tmp / "broken.yaml")], one),
         "zero_micro_batch": ("gpt", ["--train.micro_batch_size", "0"], one),
         "negative_global_batch": ("vit", ["--train.global_batch_size=-64"], one),
         "vit_patch_size": ("vit", ["--model.patch_size", "5"], one),
@@ -125,6 +127,7 @@ EXPECTED = {
     "unknown_section": ["unknown config key", "optimizer.lr"],
     "bad_type": ["train.lr", "float", "fast"],
     "missing_config_file": ["missing.yaml", "not found"],
+    "malformed_yaml": ["broken.yaml", "YAML"],
     "zero_micro_batch": ["train.micro_batch_size", "positive"],
     "negative_global_batch": ["train.global_batch_size", "positive", "-64"],
     "vit_patch_size": ["model.image_size 28", "model.patch_size 5"],

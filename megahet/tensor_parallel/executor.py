@@ -193,7 +193,7 @@ class _FrozenSlice:
         if fragment is not None:
             addr = fragment.lp_fragment_address
             local = flat_mask[addr.start : addr.start + addr.numel]
-            states = {k: v[local].clone() for k, v in (fragment.optim_fragment or {}).items()}
+            states = {k: v[local].clone() for k, v in _optim_fragment(fragment, optimizer).items()}
             master = (local, fragment.hp_fragment[local].clone(), states)
         torch_state = {}
         if optimizer is not None and param in getattr(optimizer, "state", {}):
@@ -209,9 +209,27 @@ class _FrozenSlice:
         if self.master is not None and fragment is not None:
             local, values, states = self.master
             fragment.hp_fragment[local] = values
-            for k, v in (fragment.optim_fragment or {}).items():
+            for k, v in _optim_fragment(fragment, optimizer).items():
                 v[local] = states.get(k, 0.0)  # state created by this step: as if never stepped
         if optimizer is not None and self.param in getattr(optimizer, "state", {}):
             for k, v in optimizer.state[self.param].items():
                 if torch.is_tensor(v) and v.shape == self.param.shape:
                     v.view(-1)[self.flat_mask] = self.torch_state.get(k, 0.0)
+
+
+def _optim_fragment(fragment, optimizer) -> dict[str, torch.Tensor]:
+    """This ZeRO fragment's optimizer-state views ({} before the first step), linking them if needed.
+
+    DeepSpeed (0.19) links every parameter to its optimizer state once, right after the optimizer
+    step of the *first* parameter group, when the other groups (megahet's no-weight-decay group:
+    biases) have no state yet; their links then stay empty for good. Link them here from the flat
+    fp32 partition's state once it exists.
+    """
+    if not fragment.optim_fragment and optimizer is not None:
+        flats = getattr(optimizer, "single_partition_of_fp32_groups", None)
+        inner = getattr(optimizer, "optimizer", None)
+        if flats is not None and inner is not None:
+            flat = flats[fragment.param_group_index]
+            if inner.state.get(flat):
+                fragment.set_optim_state_fragment(flat, inner.state[flat])
+    return fragment.optim_fragment or {}

@@ -12,6 +12,7 @@ values are one-line `ConfigError`s raised before any rank starts work.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import types
 import typing
@@ -223,11 +224,54 @@ def _flatten_yaml(data: Any, path: str) -> dict[str, Any]:
     return flat
 
 
+class HelpRequested(Exception):
+    """--help / -h on the command line: the caller prints config_help() and exits 0."""
+
+
+def _field_docs(section_type: type) -> dict[str, str]:
+    """The docstring written under each dataclass field (read from the source, as torchtitan does)."""
+    import ast
+    import inspect
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(section_type))).body[0].body
+    docs = {}
+    for node, nxt in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+        ):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def config_help(defaults: MegahetConfig | None = None) -> str:
+    """Every `--section.key` with its default and documentation."""
+    cfg = defaults if defaults is not None else MegahetConfig()
+    lines = [
+        "usage: SCRIPT [--config FILE.yaml] [--deepspeed_config DS.json] [--section.key VALUE ...]",
+        "",
+    ]
+    for name in _SECTIONS:
+        section = getattr(cfg, name)
+        docs = _field_docs(type(section))
+        lines.append(f"{name}:")
+        for field in dataclasses.fields(section):
+            lines.append(f"  --{name}.{field.name} (default {getattr(section, field.name)!r})")
+            if field.name in docs:
+                lines.append(f"      {docs[field.name]}")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def _parse_argv(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
     """Split argv into (config file, {dotted key: raw value}), accepting launcher flags."""
     config_file, overrides, i = None, {}, 0
     while i < len(argv):
         arg = argv[i]
+        if arg in ("--help", "-h"):
+            raise HelpRequested
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument {arg!r}: use --section.key value")
         name, eq, value = arg[2:].partition("=")
@@ -310,9 +354,10 @@ def validate(cfg: MegahetConfig, world_size: int) -> int:
         f"parallel.tp {p.tp} does not divide model.num_attention_heads {m.num_attention_heads}: "
         f"use a TP size that divides the head count",
     )
+    # TP divides the heads and the heads divide hidden_size, so TP divides hidden_size too.
     _require(
-        m.hidden_size % p.tp == 0,
-        f"parallel.tp {p.tp} does not divide model.hidden_size {m.hidden_size}: use a TP size that divides it",
+        m.ffn_hidden_size is None or m.ffn_hidden_size > 0,
+        f"model.ffn_hidden_size must be positive, got {m.ffn_hidden_size} (leave it unset for 4 * hidden_size)",
     )
     _require(
         m.ffn_size % p.tp == 0,

@@ -69,8 +69,10 @@ def deepspeed_config(cfg: MegahetConfig, dp_size: int, user: dict[str, Any]) -> 
     for key in _BATCH_KEYS:
         if key in user and user[key] != ds[key]:
             raise ConfigError(
-                f"ds_config {key}={user[key]} disagrees with megahet's {ds[key]} (micro-batches are "
-                f"scheduled by megatron-core): set train.global_batch_size / train.micro_batch_size instead"
+                f"ds_config {key}={user[key]} disagrees with megahet's {ds[key]} (megahet gives DeepSpeed one "
+                f"micro-step of global batch / DP samples per optimizer step; megatron-core's schedule splits it "
+                f"into train.micro_batch_size micro-batches): drop {key} from the ds_config and set "
+                f"train.global_batch_size / train.micro_batch_size instead"
             )
     return _merge(ds, user)
 

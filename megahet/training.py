@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megahet.config import ConfigError, MegahetConfig, load_config, validate
+from megahet.config import ConfigError, HelpRequested, MegahetConfig, config_help, load_config, validate
 from megahet.engine import build_engine, fold_deepspeed_json
 from megahet.logging import TrainingLogger
 from megahet.parallel import ParallelLayout, initialize_parallel
@@ -287,5 +287,7 @@ def run_cli(spec: TaskSpec, argv: list[str], defaults: MegahetConfig | None = No
     """Entry point of the pretrain scripts: bad inputs end in one line naming the problem and fix."""
     try:
         pretrain(load_config(argv, defaults=defaults), spec)
+    except HelpRequested:
+        print(config_help(defaults))
     except (ConfigError, FileNotFoundError) as err:
         sys.exit(f"megahet: error: {err}")

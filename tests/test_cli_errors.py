@@ -239,3 +239,24 @@ def test_error_is_one_line_naming_the_problem(runs, case: str) -> None:
 def test_valid_input_passes_the_checks(runs) -> None:
     """The control case: without an error the run reaches the process-group start."""
     assert runs["cases"]["valid_gpt"]["kind"] == "reached", runs["cases"]["valid_gpt"]
+
+
+def test_help_lists_every_section_and_exits_zero():
+    """`--help` prints the generated option list (with field docs) instead of failing."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "pretrain_gpt.py", "--help"],
+        check=False,
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    for key in ("--model.num_layers", "--parallel.tp", "--train.lr", "--data.data_path", "--resize.gamma"):
+        assert key in out.stdout
+    assert "Tensor-parallel size" in out.stdout  # a field docstring

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from megahet.config import ConfigError
+
 
 def _collate(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     return {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in samples[0]}
@@ -36,11 +38,21 @@ def micro_batches(
     start_sample: int = 0,
     shuffle_seed: int | None = None,
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Yield this DP rank's micro-batches forever, cycling epochs (reshuffled when a seed is given)."""
+    """This DP rank's micro-batches, forever, cycling epochs (reshuffled when a seed is given).
+
+    A dataset smaller than one global batch is a ConfigError here, when the stream is created.
+    """
     n = len(dataset)
     if n < global_batch_size:
-        raise ValueError(f"dataset has {n} samples, fewer than one global batch ({global_batch_size})")
-    per_rank = global_batch_size // dp_size
+        raise ConfigError(
+            f"the dataset has {n} samples, fewer than one global batch ({global_batch_size}): "
+            f"lower train.global_batch_size or use more data"
+        )
+    return _stream(dataset, global_batch_size, micro_batch_size, dp_rank, dp_size, start_sample, shuffle_seed)
+
+
+def _stream(dataset, global_batch_size, micro_batch_size, dp_rank, dp_size, start_sample, shuffle_seed):
+    n, per_rank = len(dataset), global_batch_size // dp_size
     sample, epoch, order = start_sample, None, None
     while True:
         base = sample + dp_rank * per_rank

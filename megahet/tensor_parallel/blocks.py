@@ -11,7 +11,6 @@ columns [hn*h, hn*(h+1)).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -47,7 +46,7 @@ class Block:
     column_width: int
     row_width: int
 
-    @functools.cached_property  # built once: UnitParams key the executor's per-parameter dicts by identity
+    @property
     def unit_params(self) -> list[UnitParam]:
         params = [UnitParam(self.column.weight, 0, self.column_width)]
         if self.column.bias is not None:

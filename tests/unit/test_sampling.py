@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from megahet.config import ConfigError
 from megahet.data.sampling import micro_batches, sample_order
 
 
@@ -152,12 +153,11 @@ def test_shuffled_stream_reproducible_per_seed_and_reshuffled_per_epoch() -> Non
     assert a[0] == sample_order(n, 0, 5).tolist() and a[1] == sample_order(n, 1, 5).tolist()
 
 
-def test_dataset_smaller_than_global_batch_is_an_error() -> None:
-    it = micro_batches(Indexed(7), global_batch_size=8, micro_batch_size=4, dp_rank=0, dp_size=1)
-    with pytest.raises(ValueError) as err:
-        next(it)
+def test_dataset_smaller_than_global_batch_is_an_error_when_the_stream_is_created() -> None:
+    with pytest.raises(ConfigError) as err:
+        micro_batches(Indexed(7), global_batch_size=8, micro_batch_size=4, dp_rank=0, dp_size=1)
     msg = str(err.value)
-    assert "7" in msg and "8" in msg and "\n" not in msg
+    assert "7" in msg and "8" in msg and "train.global_batch_size" in msg and "\n" not in msg
 
 
 def test_dataset_of_exactly_one_global_batch_is_fine() -> None:

@@ -11,6 +11,7 @@ columns [hn*h, hn*(h+1)).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -46,7 +47,7 @@ class Block:
     column_width: int
     row_width: int
 
-    @property
+    @functools.cached_property  # built once: UnitParams key the executor's per-parameter dicts by identity
     def unit_params(self) -> list[UnitParam]:
         params = [UnitParam(self.column.weight, 0, self.column_width)]
         if self.column.bias is not None:

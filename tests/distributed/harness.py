@@ -1,0 +1,198 @@
+"""Launching multi-process (gloo, CPU) workers from pytest, and comparing their results.
+
+    out = torchrun("worker_train.py", 2, ["--out", str(tmp), ...], cwd=tmp)   # raises LaunchError
+
+Workers are scripts in this folder, started with `python -m torch.distributed.run` on a free port
+(retried if another job grabs it first) with OMP_NUM_THREADS=1, DS_ACCELERATOR=cpu and
+WANDB_MODE=disabled; they write their results into a folder given on their command line.
+`compare()` asserts fp32 closeness and records the observed differences, which the terminal summary
+(conftest.py) prints.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+# A small GPT (pretrain_gpt config overrides) for every GPT test.
+GPT_MODEL = [
+    "--model.num_layers",
+    "4",
+    "--model.hidden_size",
+    "64",
+    "--model.num_attention_heads",
+    "4",
+    "--model.seq_length",
+    "32",
+    "--model.hidden_dropout",
+    "0",
+    "--model.attention_dropout",
+    "0",
+]
+# Workers name parameters as the unsharded model does; with PP > 1 the last stage also holds the
+# tied copy of the word embedding under its own name.
+TIED_COPY, EMBEDDING = "output_layer.weight", "embedding.word_embeddings.weight"
+
+# (test, what, max |a - b|, relative difference (compare: max over tensors of max |a - b| / max |b|;
+# compare_updates: of ||a - b|| / ||b - init||), largest fraction of the tolerance used, its tensor)
+REPORT: list[tuple[str, str, float, float, float, str]] = []
+
+
+class LaunchError(AssertionError):
+    """A distributed worker launch failed or timed out; the message carries its output."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _excerpt(output: str, limit: int = 6000) -> str:
+    """The first traceback (the cause) and the end of the output (torchrun's summary)."""
+    start = output.find("Traceback")
+    head = output[start : start + limit // 2] if start >= 0 else ""
+    tail = output[-limit // 2 :]
+    return head + ("\n[...]\n" if head and not output.endswith(head) else "") + tail
+
+
+def torchrun(worker: str, nproc: int, args: list[str], *, cwd: Path, timeout: float = 300) -> str:
+    """Run HERE/worker under torchrun with nproc ranks; return its output or raise LaunchError."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WANDB_MODE="disabled")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    for attempt in range(3):
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            str(HERE / worker),
+            *args,
+        ]
+        # A session of its own, so that a timeout can end the launcher and all of its ranks.
+        proc = subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            raise LaunchError(
+                f"{worker} with {nproc} ranks timed out after {timeout:.0f} s:\n{_excerpt(output)}"
+            ) from None
+        if proc.returncode == 0:
+            return output
+        if "EADDRINUSE" in output and attempt < 2:  # the port was taken between probe and bind
+            continue
+        raise LaunchError(
+            f"{worker} with {nproc} ranks exited with {proc.returncode}:\n{' '.join(cmd)}\n{_excerpt(output)}"
+        )
+    raise AssertionError("unreachable")
+
+
+def with_tied_copy(reference: dict[str, torch.Tensor], names) -> dict[str, torch.Tensor]:
+    """The unsharded reference by name, plus the tied copy (= the word embedding) if `names` has it."""
+    expected = dict(reference)
+    if TIED_COPY in names:
+        expected[TIED_COPY] = reference[EMBEDDING]
+    return expected
+
+
+def compare(
+    test: str,
+    what: str,
+    actual: torch.Tensor | dict[str, torch.Tensor],
+    expected: torch.Tensor | dict[str, torch.Tensor],
+    *,
+    rtol: float = 1e-5,
+    atol_scale: float = 1e-6,
+    atol: float | None = None,
+) -> float:
+    """Assert |a - b| <= atol + rtol * |b| elementwise, for a tensor or every tensor of a dict.
+
+    atol defaults to atol_scale * max |b| per tensor: the fp32 noise of a sum scales with the size of
+    its terms, and parameters / gradients span orders of magnitude (a LayerNorm bias gradient of 1e-3
+    next to an embedding gradient of 1e-1). Records the worst case in REPORT; returns its max |a - b|.
+    """
+    if not isinstance(expected, dict):
+        actual, expected = {what: actual}, {what: expected}
+    assert set(actual) == set(expected), (
+        f"{what}: names differ: missing {sorted(set(expected) - set(actual))}, "
+        f"extra {sorted(set(actual) - set(expected))}"
+    )
+    max_abs = max_rel = max_used = 0.0
+    worst = ""
+    for name in sorted(expected):
+        a, b = actual[name].double(), expected[name].double()
+        assert a.shape == b.shape, f"{what} {name}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
+        if b.numel() == 0:
+            continue
+        scale = b.abs().max().item()
+        tensor_atol = atol if atol is not None else atol_scale * max(scale, 1e-12)
+        diff = (a - b).abs()
+        tol = tensor_atol + rtol * b.abs()
+        used = torch.where(diff == 0, 0.0, diff / tol).max().item()  # exact matches pass a zero tolerance
+        if not used <= 1.0:  # also catches NaN
+            raise AssertionError(
+                f"{test}: {what} {name}: max |a-b| {diff.max().item():.3e} exceeds atol {tensor_atol:.3e} + "
+                f"rtol {rtol} * |b| (max |b| {scale:.3e}; {used:.1f}x the tolerance)"
+            )
+        max_abs = max(max_abs, diff.max().item())
+        max_rel = max(max_rel, diff.max().item() / scale if scale else 0.0)
+        if used >= max_used:
+            max_used, worst = used, name
+    REPORT.append((test, what, max_abs, max_rel, max_used, worst if len(expected) > 1 else ""))
+    return max_abs
+
+
+def compare_updates(
+    test: str,
+    what: str,
+    actual: dict[str, torch.Tensor],
+    expected: dict[str, torch.Tensor],
+    initial: dict[str, torch.Tensor],
+    *,
+    rel: float,
+) -> float:
+    """Assert ||a - b|| <= rel * ||b - initial|| per tensor: trained weights agree up to a small
+    fraction of how far training moved them (Frobenius norms, so a few noise-driven elements do not
+    dominate; see WEIGHT_REL in test_training.py). Records max |a - b| and the largest ratio."""
+    assert set(actual) == set(expected) == set(initial), what
+    max_abs = max_ratio = 0.0
+    worst = ""
+    for name in sorted(expected):
+        a, b, start = actual[name].double(), expected[name].double(), initial[name].double()
+        moved = (b - start).norm().item()
+        off = (a - b).norm().item()
+        ratio = off / moved if moved else (0.0 if off == 0 else float("inf"))
+        if not ratio <= rel:
+            raise AssertionError(
+                f"{test}: {what} {name}: ||a-b|| {off:.3e} is {ratio:.2e} of the distance trained "
+                f"||b-init|| {moved:.3e} (allowed {rel}); max |a-b| {(a - b).abs().max().item():.3e}"
+            )
+        max_abs = max(max_abs, (a - b).abs().max().item())
+        if ratio >= max_ratio:
+            max_ratio, worst = ratio, name
+    REPORT.append((test, what, max_abs, max_ratio, max_ratio / rel, worst))
+    return max_abs

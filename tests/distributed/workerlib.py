@@ -1,0 +1,134 @@
+"""Helpers used inside the distributed test workers (run under torchrun, one process per rank).
+
+Parameter naming: a pipeline stage names its layers locally (`decoder.layers.0` is the first layer
+*of the stage*); we name everything by the unsharded TP=1 PP=1 model's names, i.e. local layer i of
+stage p is global layer p * layers_per_stage + i, and TP shards are concatenated along
+`param.partition_dim`. The last stage's tied copy of the word embedding (`output_layer.weight`,
+present only when PP > 1) keeps its own name; it must equal `embedding.word_embeddings.weight`.
+
+Workers import the pretrain scripts from the repository root: harness.torchrun puts it on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+import torch.distributed as dist
+from harness import EMBEDDING, TIED_COPY
+from megatron.core import parallel_state as ps
+
+from megahet.parallel import current_layout
+from megahet.training import TaskSpec
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def reset_model_parallel() -> None:
+    """Forget megatron-core's TP/PP/DP groups (the process group stays) so setup() can regroup."""
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+
+
+def global_name(local: str, num_layers: int) -> str:
+    """Local (stage) parameter name -> name in the unsharded TP=1 PP=1 model."""
+    match = _LAYER.match(local)
+    if not match:
+        return local
+    per_stage = num_layers // ps.get_pipeline_model_parallel_world_size()
+    layer = ps.get_pipeline_model_parallel_rank() * per_stage + int(match.group(1))
+    return f"decoder.layers.{layer}." + local[match.end() :]
+
+
+def is_tp_sharded(param: torch.Tensor) -> bool:
+    return (
+        bool(getattr(param, "tensor_model_parallel", False)) and ps.get_tensor_model_parallel_world_size() > 1
+    )
+
+
+def stage_tensors(model: torch.nn.Module, num_layers: int, what: str = "data") -> dict[str, torch.Tensor]:
+    """This stage's parameters (what="data") or gradients (what="grad"), TP-gathered, by global name.
+
+    Collective over the TP group (every TP rank must call it with the same model structure).
+    """
+    tp_size = ps.get_tensor_model_parallel_world_size()
+    out = {}
+    for name, param in model.named_parameters():
+        tensor = param.detach() if what == "data" else param.grad
+        if tensor is None:
+            raise AssertionError(f"{name} has no {what} on rank {dist.get_rank()}")
+        tensor = tensor.detach().float().contiguous()
+        if is_tp_sharded(param):
+            parts = [torch.empty_like(tensor) for _ in range(tp_size)]
+            dist.all_gather(parts, tensor, group=ps.get_tensor_model_parallel_group())
+            tensor = torch.cat(parts, dim=param.partition_dim)
+        out[global_name(name, num_layers)] = tensor.clone()
+    return out
+
+
+def gather_replicas(local: dict, root: int = 0) -> dict[int, dict[str, torch.Tensor]] | None:
+    """Collect every rank's `stage_tensors` on `root`: {dp_rank: full model by global name}.
+
+    Replicated (non-TP) tensors come from every TP rank: they must agree, and AssertionError says
+    where they do not (TP ranks computing different replicated gradients is a bug in itself).
+    """
+    layout = current_layout()
+    items = [None] * dist.get_world_size() if dist.get_rank() == root else None
+    dist.gather_object((layout.dp_rank, layout.pp_rank, layout.tp_rank, local), items, dst=root)
+    if dist.get_rank() != root:
+        return None
+    replicas: dict[int, dict[str, torch.Tensor]] = {}
+    for dp_rank, pp_rank, tp_rank, tensors in sorted(items, key=lambda it: it[:3]):
+        full = replicas.setdefault(dp_rank, {})
+        for name, tensor in tensors.items():
+            if name in full:
+                if not torch.equal(full[name], tensor):
+                    diff = (full[name] - tensor).abs().max().item()
+                    raise AssertionError(
+                        f"dp {dp_rank} pp {pp_rank} tp {tp_rank}: {name} differs across TP ranks by {diff:.3e}"
+                    )
+            else:
+                full[name] = tensor
+    return replicas
+
+
+@torch.no_grad()
+def load_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor], num_layers: int) -> None:
+    """Copy an unsharded TP=1 PP=1 state (by global name) into this rank's stage / TP shard."""
+    tp_size, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    for name, param in model.named_parameters():
+        key = EMBEDDING if name == TIED_COPY else global_name(name, num_layers)
+        full = state[key]
+        if is_tp_sharded(param):
+            full = torch.chunk(full, tp_size, dim=param.partition_dim)[tp_rank]
+        if full.shape != param.shape:
+            raise AssertionError(f"{name} <- {key}: shape {tuple(full.shape)} vs {tuple(param.shape)}")
+        param.copy_(full)
+
+
+def full_batch_spec(spec: TaskSpec) -> TaskSpec:
+    """The task, but every DP rank reads the whole global batch (as if DP were 1).
+
+    Lets each DP replica compute the undistributed full-batch gradient, for gradient comparisons.
+    """
+
+    def build(cfg, layout):
+        return spec.build(cfg, dataclasses.replace(layout, dp_rank=0, dp_size=1))
+
+    return dataclasses.replace(spec, build=build)
+
+
+def loading_spec(spec: TaskSpec, state: dict[str, torch.Tensor] | None, keep: list) -> TaskSpec:
+    """The task, with `state` (unsharded, by global name) loaded into the model before the engine is
+    built (so DeepSpeed's fp32 master copy starts from it too). Appends (Task, this stage's initial
+    TP-gathered weights) to `keep`."""
+
+    def build(cfg, layout):
+        task = spec.build(cfg, layout)
+        if state is not None:
+            load_full_state(task.model, state, cfg.model.num_layers)
+        keep.append((task, stage_tensors(task.model, cfg.model.num_layers, "data")))
+        return task
+
+    return dataclasses.replace(spec, build=build)

@@ -1,0 +1,437 @@
+"""Tests of megahet's ResizeExecutor in one process (TP=1, DP=1, gloo): the gradient policy of dropped
+units and the optimizer freeze.
+
+- imputation "zero": dropped units' gradients are exactly 0;
+- "average": each dropped unit's gradient is the mean of the kept units' gradients of the same
+  parameter (fc1 rows / fc1 bias entries / fc2 columns; qkv rows and biases in groups of 3 * head_dim,
+  proj columns in groups of head_dim), over several micro-batches;
+- "same": a dropped unit's gradient is its gradient from the last step in which it was computed;
+- under "zero", AdamW with weight decay leaves dropped units untouched: with a plain torch AdamW, and
+  through DeepSpeed ZeRO-1 / ZeRO-2 in the real training path (`megahet.training.setup` of
+  pretrain_vit.py, `Trainer.train_step()`): module weights, DeepSpeed's fp32 master copy and AdamW
+  moments, both for units dropped from the first step (moments stay 0) and for units frozen after
+  they were trained (moments kept as they were), while the kept units train.
+
+The hooks fire on `.backward()`; steps are driven as the Trainer does: `before_step(optimizer)`,
+`optimizer.step()`, `after_step(optimizer)`.
+
+Run: ``python -m pytest tests/unit/test_resize_executor.py -q`` (about 20 s).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+from megatron.core import tensor_parallel
+
+from megahet.config import MegahetConfig, apply_overrides, load_config
+from megahet.models.common import resizable_layer_spec
+from megahet.models.gpt import build_gpt
+from megahet.tensor_parallel.executor import ResizeExecutor
+from megahet.tensor_parallel.plan import ResizePlan
+
+REPO = Path(__file__).resolve().parents[2]
+SEED = 4321
+LAYERS, HIDDEN, HEADS, FFN = 2, 32, 4, 64
+HN = HIDDEN // HEADS
+VOCAB, SEQ, MICRO = 64, 8, 2
+
+DROPS = {("mlp", 1): (2, 3, 10, 31, 47, 60), ("attn", 1): (1,), ("attn", 2): (0, 3), ("mlp", 2): (0, 63)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def world1():
+    """A one-rank gloo world with megatron-core's groups (TP=PP=DP=1)."""
+    from megahet.parallel import destroy_parallel, initialize_parallel
+
+    with pytest.MonkeyPatch.context() as mp:
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0"}
+        for key, value in {**env, "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+            mp.setenv(key, value)
+        layout = initialize_parallel(tp=1, pp=1, seed=SEED)
+        try:
+            yield layout
+        finally:
+            destroy_parallel()
+
+
+def gpt() -> torch.nn.Module:
+    cfg = apply_overrides(
+        MegahetConfig(),
+        {
+            "model.num_layers": LAYERS,
+            "model.hidden_size": HIDDEN,
+            "model.num_attention_heads": HEADS,
+            "model.ffn_hidden_size": FFN,
+            "model.seq_length": SEQ,
+            "model.make_vocab_size_divisible_by": 1,
+        },
+    )
+    torch.manual_seed(SEED)
+    tensor_parallel.model_parallel_cuda_manual_seed(SEED)
+    return build_gpt(cfg, VOCAB, resizable_layer_spec())
+
+
+def batches(step: int, n: int = 2) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(100 + step)
+    return [
+        {
+            "tokens": torch.randint(0, VOCAB, (MICRO, SEQ), generator=g),
+            "labels": torch.randint(0, VOCAB, (MICRO, SEQ), generator=g),
+        }
+        for _ in range(n)
+    ]
+
+
+def backward(model, micro_batches: list[dict[str, torch.Tensor]]) -> None:
+    """Accumulate the gradients of the micro-batches (each loss divided by their count, as the schedule does)."""
+    positions = torch.arange(SEQ).expand(MICRO, SEQ)
+    for b in micro_batches:
+        loss = model(b["tokens"], positions, None, labels=b["labels"]).mean() / len(micro_batches)
+        loss.backward()
+
+
+def step(model, executor, optimizer, micro_batches) -> dict[str, torch.Tensor]:
+    """One training step as the Trainer drives it; returns the gradients the optimizer saw."""
+    optimizer.zero_grad(set_to_none=True)
+    backward(model, micro_batches)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    executor.before_step(optimizer)
+    optimizer.step()
+    executor.after_step(optimizer)
+    return grads
+
+
+def unit_params(key: tuple[str, int]) -> list[tuple[str, int, int]]:
+    """(parameter name, unit axis, unit width) of a block's units, spelled out independently of blocks.py."""
+    kind, layer = key
+    prefix = f"decoder.layers.{layer - 1}."
+    if kind == "mlp":
+        return [(prefix + "mlp.linear_fc1.weight", 0, 1), (prefix + "mlp.linear_fc1.bias", 0, 1),
+                (prefix + "mlp.linear_fc2.weight", 1, 1)]  # fmt: skip
+    return [(prefix + "self_attention.linear_qkv.weight", 0, 3 * HN),
+            (prefix + "self_attention.linear_qkv.bias", 0, 3 * HN),
+            (prefix + "self_attention.linear_proj.weight", 1, HN)]  # fmt: skip
+
+
+def unit(tensor: torch.Tensor, dim: int, width: int, u: int) -> torch.Tensor:
+    return tensor.narrow(dim, u * width, width)
+
+
+def num_units(key: tuple[str, int]) -> int:
+    return FFN if key[0] == "mlp" else HEADS
+
+
+def _plan(drops) -> ResizePlan:
+    return ResizePlan({block: {(0, 0): units} for block, units in drops.items()})
+
+
+# --- gradient policy -------------------------------------------------------------------------------
+
+
+def test_zero_imputation_gives_dropped_units_exactly_zero_gradient(world1) -> None:
+    model = gpt()
+    executor = ResizeExecutor(model, dp_rank=0, tp_rank=0, dp_size=1, imputation="zero")
+    executor.apply(_plan(DROPS))
+    backward(model, batches(0))
+    params = dict(model.named_parameters())
+    for key, dropped in DROPS.items():
+        for name, dim, width in unit_params(key):
+            grad = params[name].grad
+            for u in range(num_units(key)):
+                g = unit(grad, dim, width, u)
+                if u in dropped:
+                    assert torch.count_nonzero(g) == 0, (name, u)
+                else:
+                    assert torch.count_nonzero(g) > 0, (name, u)
+
+
+def test_average_imputation_is_the_mean_of_kept_units(world1) -> None:
+    model, zero_model = gpt(), gpt()
+    executor = ResizeExecutor(
+        model, dp_rank=0, tp_rank=0, dp_size=1, imputation="average", num_microbatches=2
+    )
+    zero_executor = ResizeExecutor(zero_model, dp_rank=0, tp_rank=0, dp_size=1, imputation="zero")
+    executor.apply(_plan(DROPS))
+    zero_executor.apply(_plan(DROPS))
+    micro = batches(1)
+    backward(model, micro)  # two micro-batches: the hooks impute per micro-batch, the sum stays a mean
+    backward(zero_model, micro)
+    params, zero_params = dict(model.named_parameters()), dict(zero_model.named_parameters())
+    checked = 0
+    for key, dropped in DROPS.items():
+        kept = [u for u in range(num_units(key)) if u not in dropped]
+        for name, dim, width in unit_params(key):
+            grad = params[name].grad
+            mean = torch.stack([unit(grad, dim, width, u) for u in kept]).mean(dim=0)
+            assert mean.abs().max() > 0, name
+            for u in dropped:
+                torch.testing.assert_close(
+                    unit(grad, dim, width, u), mean, rtol=1e-5, atol=1e-6 * mean.abs().max()
+                )
+                checked += 1
+            for u in kept:  # kept units carry their own, unaltered gradient
+                assert torch.equal(unit(grad, dim, width, u), unit(zero_params[name].grad, dim, width, u)), (
+                    name,
+                    u,
+                )
+    assert checked == 3 * sum(len(d) for d in DROPS.values())
+    # Parameters outside the resizable units are untouched by the policy.
+    for name, param in params.items():
+        if (
+            "linear_fc1" not in name
+            and "linear_qkv" not in name
+            and not name.endswith(("fc2.weight", "proj.weight"))
+        ):
+            assert torch.equal(param.grad, zero_params[name].grad), name
+
+
+def test_same_imputation_reuses_the_last_computed_gradient(world1) -> None:
+    model = gpt()
+    executor = ResizeExecutor(model, dp_rank=0, tp_rank=0, dp_size=1, imputation="same", num_microbatches=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    mlp, attn = ("mlp", 1), ("attn", 2)
+    first = {mlp: (0, 1, 2, 3), attn: (1,)}
+    second = {mlp: (2, 3, 4, 5), attn: (1, 2)}  # 2, 3 / head 1: dropped twice; 4, 5 / head 2: newly
+
+    # Dropped before ever being computed: nothing measured yet, gradient 0.
+    fresh = gpt()
+    fresh_executor = ResizeExecutor(
+        fresh, dp_rank=0, tp_rank=0, dp_size=1, imputation="same", num_microbatches=2
+    )
+    fresh_executor.apply(_plan(first))
+    g0 = step(fresh, fresh_executor, torch.optim.SGD(fresh.parameters(), lr=0.05), batches(10))
+
+    executor.apply(ResizePlan())
+    g_a = step(model, executor, optimizer, batches(11))  # every unit computed
+    executor.apply(_plan(first))
+    g_b = step(model, executor, optimizer, batches(12))
+    executor.apply(_plan(second))
+    g_c = step(model, executor, optimizer, batches(13))
+
+    for key in (mlp, attn):
+        for name, dim, width in unit_params(key):
+            for u in first[key]:
+                assert torch.count_nonzero(unit(g0[name], dim, width, u)) == 0, (name, u)
+                assert torch.equal(unit(g_b[name], dim, width, u), unit(g_a[name], dim, width, u)), (name, u)
+            for u in second[key]:
+                last = g_a if u in first[key] else g_b  # the last step that computed u
+                assert torch.equal(unit(g_c[name], dim, width, u), unit(last[name], dim, width, u)), (name, u)
+                assert unit(last[name], dim, width, u).abs().max() > 0
+            # Kept units got fresh gradients (different data each step).
+            u = next(u for u in range(num_units(key)) if u not in first[key] + second[key])
+            assert not torch.equal(unit(g_c[name], dim, width, u), unit(g_b[name], dim, width, u))
+
+
+def test_weight_change_statistics_per_unit(world1) -> None:
+    """The priority score's input: per unit, the L1 norm of its weights' change over the last step
+    (summed over its parameters); 0 for units not computed (frozen)."""
+    model = gpt()
+    executor = ResizeExecutor(model, dp_rank=0, tp_rank=0, dp_size=1, track_weight_change=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    executor.apply(_plan(DROPS))
+    for i in range(2):
+        w0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+        step(model, executor, optimizer, batches(40 + i))
+        w1 = dict(model.named_parameters())
+        for key, dropped in DROPS.items():
+            expected = torch.zeros(num_units(key), dtype=torch.float64)
+            for name, dim, width in unit_params(key):
+                for u in range(num_units(key)):
+                    expected[u] += (
+                        (unit(w1[name].detach(), dim, width, u) - unit(w0[name], dim, width, u)).abs().sum()
+                    )
+            change = torch.from_numpy(executor.weight_change[key])
+            torch.testing.assert_close(change, expected, rtol=1e-5, atol=0.0)
+            assert (change[list(dropped)] == 0).all() and (change > 0).sum() == num_units(key) - len(dropped)
+            assert executor.computed_units(key).tolist() == [u not in dropped for u in range(num_units(key))]
+
+
+def test_unknown_imputation_is_rejected(world1) -> None:
+    with pytest.raises(ValueError, match="imputation must be zero, same or average"):
+        ResizeExecutor(torch.nn.Linear(2, 2), dp_rank=0, tp_rank=0, dp_size=1, imputation="mean")
+
+
+# --- zero policy: AdamW does not move dropped units --------------------------------------------------
+
+
+def _units_of(tensors: dict[str, torch.Tensor], drops) -> dict[tuple[str, int, int], torch.Tensor]:
+    out = {}
+    for key, dropped in drops.items():
+        for name, dim, width in unit_params(key):
+            for u in dropped:
+                out[(name, u, dim)] = unit(tensors[name], dim, width, u).clone()
+    return out
+
+
+def _adam_state(optimizer, model, key: str) -> dict[str, torch.Tensor]:
+    return {
+        n: optimizer.state[p][key] if p in optimizer.state else torch.zeros_like(p)
+        for n, p in model.named_parameters()
+    }
+
+
+def test_torch_adamw_with_weight_decay_leaves_dropped_units_untouched(world1) -> None:
+    model = gpt()
+    executor = ResizeExecutor(model, dp_rank=0, tp_rank=0, dp_size=1, imputation="zero")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.5)
+    executor.apply(_plan(DROPS))
+    w0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for i in range(3):
+        step(model, executor, optimizer, batches(20 + i))
+    w = {n: p.detach() for n, p in model.named_parameters()}
+    m, v = _adam_state(optimizer, model, "exp_avg"), _adam_state(optimizer, model, "exp_avg_sq")
+    for key, dropped in DROPS.items():
+        kept = [u for u in range(num_units(key)) if u not in dropped]
+        for name, dim, width in unit_params(key):
+            for u in dropped:
+                assert torch.equal(unit(w[name], dim, width, u), unit(w0[name], dim, width, u)), (name, u)
+                assert torch.count_nonzero(unit(m[name], dim, width, u)) == 0, (name, u)
+                assert torch.count_nonzero(unit(v[name], dim, width, u)) == 0, (name, u)
+            for u in kept:
+                assert not torch.equal(unit(w[name], dim, width, u), unit(w0[name], dim, width, u)), (name, u)
+                assert torch.count_nonzero(unit(v[name], dim, width, u)) > 0, (name, u)
+
+    # Control: the same steps without the executor's freeze let weight decay shrink the dropped units.
+    control = gpt()
+    control_executor = ResizeExecutor(control, dp_rank=0, tp_rank=0, dp_size=1, imputation="zero")
+    control_executor.apply(_plan(DROPS))
+    control_opt = torch.optim.AdamW(control.parameters(), lr=1e-2, weight_decay=0.5)
+    for i in range(3):
+        control_opt.zero_grad()
+        backward(control, batches(20 + i))
+        control_opt.step()
+    name, dim, width = unit_params(("mlp", 1))[0]
+    u = DROPS[("mlp", 1)][0]
+    moved = unit(dict(control.named_parameters())[name].detach(), dim, width, u)
+    assert not torch.equal(moved, unit(w0[name], dim, width, u))
+
+
+def test_torch_adamw_units_frozen_after_training_keep_weights_and_moments(world1) -> None:
+    model = gpt()
+    executor = ResizeExecutor(model, dp_rank=0, tp_rank=0, dp_size=1, imputation="zero")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.5)
+    for i in range(2):
+        step(model, executor, optimizer, batches(30 + i))  # every unit trains: moments become nonzero
+
+    def snapshot():
+        state = {n: p.detach() for n, p in model.named_parameters()}
+        return [_units_of(t, DROPS) for t in (state, _adam_state(optimizer, model, "exp_avg"),
+                                               _adam_state(optimizer, model, "exp_avg_sq"))]  # fmt: skip
+
+    before = snapshot()
+    assert all(torch.count_nonzero(t) > 0 for t in before[1].values())
+    executor.apply(_plan(DROPS))
+    for i in range(2):
+        step(model, executor, optimizer, batches(32 + i))
+    after = snapshot()
+    for what, b, a in zip(("weights", "exp_avg", "exp_avg_sq"), before, after):
+        for k in b:
+            assert torch.equal(a[k], b[k]), (what, k)
+    # Lifted: the frozen units train again from where they were.
+    executor.apply(ResizePlan())
+    step(model, executor, optimizer, batches(34))
+    resumed = snapshot()
+    for k in before[0]:
+        assert not torch.equal(resumed[0][k], before[0][k]), k
+
+
+# --- zero policy through DeepSpeed ZeRO-1 / ZeRO-2 in the real training path ------------------------
+
+
+def _pretrain_vit():
+    spec = importlib.util.spec_from_file_location("pretrain_vit", REPO / "pretrain_vit.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _ds_state(model, names, stepped: bool = True) -> dict[str, dict[str, torch.Tensor]]:
+    """Module weights, DeepSpeed's fp32 master and AdamW moments (no state, i.e. 0, before any step)."""
+    params = dict(model.named_parameters())
+    out = {"module": {}, "master": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    for name in names:
+        p = params[name]
+        out["module"][name] = p.detach().clone()
+        out["master"][name] = safe_get_full_fp32_param(p).clone()
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[key][name] = safe_get_full_optimizer_state(p, key).clone() if stepped else torch.zeros_like(p)
+    return out
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_deepspeed_zero_leaves_dropped_units_untouched(world1, tmp_path: Path, zero_stage: int) -> None:
+    from megahet.training import setup
+
+    vit = _pretrain_vit()
+    argv = [
+        "--model.num_layers", "2", "--model.hidden_size", str(HIDDEN), "--model.num_attention_heads",
+        str(HEADS), "--model.ffn_hidden_size", str(FFN), "--model.hidden_dropout", "0",
+        "--model.attention_dropout", "0", "--train.micro_batch_size", "8", "--train.global_batch_size", "16",
+        "--train.train_iters", "10", "--train.lr", "3e-3", "--train.lr_warmup_iters", "1",
+        "--train.weight_decay", "0.5", "--parallel.zero_stage", str(zero_stage),
+        "--resize.gamma", "0:0.5", "--resize.reselect_interval", "1000",
+        "--logging.wandb", "false", "--logging.log_dir", str(tmp_path / "runs"),
+    ]  # fmt: skip
+    trainer = setup(load_config(argv, defaults=vit.default_config()), vit.SPEC)
+    (controller,) = trainer.step_hooks
+    model = trainer.task.model
+    assert trainer.engine.zero_optimization_stage() == zero_stage
+    names = [name for key in DROPS for name, _, _ in unit_params(key)]
+    start = _ds_state(model, names, stepped=False)
+
+    losses = [trainer.train_step()["loss"] for _ in range(3)]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    plan = controller.executor.plan
+    drops = {key: plan.dropped(key, 0, 0) for key in DROPS}
+    assert {key: len(units) for key, units in drops.items()} == {
+        ("mlp", 1): FFN // 2, ("attn", 1): HEADS // 2, ("attn", 2): HEADS // 2, ("mlp", 2): FFN // 2
+    }  # fmt: skip
+    now = _ds_state(model, names)
+    for key, dropped in drops.items():
+        kept = [u for u in range(num_units(key)) if u not in dropped]
+        for name, dim, width in unit_params(key):
+            for u in dropped:
+                for what in ("module", "master"):
+                    assert torch.equal(unit(now[what][name], dim, width, u), unit(start[what][name], dim, width, u)), (
+                        what, name, u)  # fmt: skip
+                for what in ("exp_avg", "exp_avg_sq"):
+                    assert torch.count_nonzero(unit(now[what][name], dim, width, u)) == 0, (what, name, u)
+            for u in kept:
+                for what in ("module", "master"):
+                    assert not torch.equal(
+                        unit(now[what][name], dim, width, u), unit(start[what][name], dim, width, u)
+                    )
+                assert torch.count_nonzero(unit(now["exp_avg_sq"][name], dim, width, u)) > 0, (name, u)
+            assert torch.equal(now["module"][name], now["master"][name]), name  # fp32: module == master
+
+    # Freeze units that have trained (nonzero moments): weights, master and moments stay as they were.
+    later = {key: tuple(u for u in range(num_units(key)) if u not in dropped)[-len(dropped) :]
+             for key, dropped in drops.items()}  # fmt: skip
+    controller.executor.apply(_plan(later))
+    before = _ds_state(model, names)
+    for _ in range(2):
+        trainer.train_step()
+    after = _ds_state(model, names)
+    for key, frozen in later.items():
+        for name, dim, width in unit_params(key):
+            for u in frozen:
+                for what in ("module", "master", "exp_avg", "exp_avg_sq"):
+                    b, a = unit(before[what][name], dim, width, u), unit(after[what][name], dim, width, u)
+                    assert torch.equal(a, b), (what, name, u)
+                assert torch.count_nonzero(unit(before["exp_avg_sq"][name], dim, width, u)) > 0
+            for u in drops[key]:  # computed again: they train
+                assert not torch.equal(
+                    unit(after["module"][name], dim, width, u), unit(before["module"][name], dim, width, u)
+                )

@@ -1,0 +1,344 @@
+"""Tests of the ZERO-resizing policy, all pure functions: unit selection (priority with its fairness
+guard, random), the priority statistics (`update_scores`, `update_drop_age`), the planner
+(`units_to_drop`, `plan_resize` with per-block overrides, `parse_rank_gammas`, `parse_block_gammas`)
+and the plan itself (`ResizePlan`: lookups, `compute_counts`, dict / JSON round trips).
+
+Run: ``python -m pytest tests/unit/test_resize_selection.py -q`` (a few seconds; no megatron-core).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from megahet.balance.resize_planner import (
+    parse_block_gammas,
+    parse_rank_gammas,
+    plan_resize,
+    units_to_drop,
+)
+from megahet.balance.selection import select_priority, select_random, update_drop_age, update_scores
+from megahet.tensor_parallel.plan import ResizePlan, block_name, parse_block_name
+
+INF = math.inf
+
+
+def _one_line(err: pytest.ExceptionInfo[BaseException], *needles: str) -> None:
+    msg = str(err.value)
+    assert "\n" not in msg, msg
+    for needle in needles:
+        assert needle in msg, (needle, msg)
+
+
+# --- select_priority ---------------------------------------------------------------------------
+
+
+def test_priority_drops_the_lowest_scores() -> None:
+    scores = np.array([5.0, 1.0, 3.0, 0.5, INF, 2.0, 4.0])
+    age = np.zeros(7, int)
+    assert select_priority(scores, age, n_drop=3, max_drop_steps=10) == (1, 3, 5)
+    assert select_priority(scores, age, n_drop=1, max_drop_steps=10) == (3,)
+    assert select_priority(scores, age, n_drop=0, max_drop_steps=10) == ()
+    # Never-measured units (+inf) come last: the 6 measured ones go first, then the inf one.
+    assert select_priority(scores, age, n_drop=6, max_drop_steps=10) == (0, 1, 2, 3, 5, 6)
+
+
+def test_priority_result_is_sorted_by_unit_not_by_score() -> None:
+    scores = np.array([0.3, 0.1, 0.2, 9.0])
+    assert select_priority(scores, np.zeros(4, int), 3, 10) == (0, 1, 2)
+
+
+def test_priority_ties_break_by_unit_index() -> None:
+    scores = np.array([1.0, 1.0, 1.0, 0.0, 1.0, 1.0])
+    age = np.zeros(6, int)
+    assert select_priority(scores, age, n_drop=3, max_drop_steps=10) == (0, 1, 3)
+    # All never measured (a fresh run): the first units by index.
+    assert select_priority(np.full(6, INF), age, n_drop=2, max_drop_steps=10) == (0, 1)
+    # A tie across the cut: the lower indexes win, whatever their position in the array.
+    scores = np.array([2.0, 1.0, 2.0, 1.0, 2.0])
+    assert select_priority(scores, np.zeros(5, int), n_drop=3, max_drop_steps=10) == (0, 1, 3)
+
+
+def test_priority_fairness_guard_keeps_units_dropped_too_long() -> None:
+    scores = np.array([0.0, 0.1, 0.2, 0.3, 0.4])
+    # Unit 0 has been dropped max_drop_steps times in a row: kept although it scores lowest.
+    age = np.array([5, 0, 0, 0, 0])
+    assert select_priority(scores, age, n_drop=2, max_drop_steps=5) == (1, 2)
+    # One step short of the limit: still eligible.
+    age = np.array([4, 4, 0, 0, 0])
+    assert select_priority(scores, age, n_drop=2, max_drop_steps=5) == (0, 1)
+    # The guard leaves fewer candidates than asked: fewer are dropped, never a guarded one.
+    age = np.array([9, 5, 6, 0, 7])
+    assert select_priority(scores, age, n_drop=3, max_drop_steps=5) == (3,)
+    assert select_priority(scores, np.full(5, 5), n_drop=3, max_drop_steps=5) == ()
+
+
+def test_priority_guard_over_steps_rotates_a_persistently_unimportant_unit() -> None:
+    """Driven like the controller (select, then age the dropped units every step): the lowest-score
+    unit is dropped exactly max_drop_steps steps in a row, kept one step, then dropped again."""
+    scores = np.array([0.0, 1.0, 2.0, 3.0])
+    age = np.zeros(4, int)
+    history = []
+    for _ in range(9):
+        drop = select_priority(scores, age, n_drop=1, max_drop_steps=3)
+        history.append(drop)
+        mask = np.zeros(4, bool)
+        mask[list(drop)] = True
+        age = update_drop_age(age, mask)
+    assert history == [(0,), (0,), (0,), (1,), (0,), (0,), (0,), (1,), (0,)]
+
+
+def test_priority_errors() -> None:
+    with pytest.raises(ValueError) as err:
+        select_priority(np.zeros(4), np.zeros(4, int), n_drop=4, max_drop_steps=5)
+    _one_line(err, "cannot drop 4 of 4 units", "keep at least one")
+    with pytest.raises(ValueError):
+        select_priority(np.zeros(4), np.zeros(4, int), n_drop=-1, max_drop_steps=5)
+
+
+# --- update_scores / update_drop_age -----------------------------------------------------------
+
+
+def test_update_scores_first_measurement_replaces_inf() -> None:
+    scores = np.full(3, INF)
+    out = update_scores(scores, np.array([4.0, 2.0, 8.0]), np.array([True, True, False]), decay=0.5)
+    assert out.tolist() == [4.0, 2.0, INF]  # not an EMA with inf; the dropped unit stays unmeasured
+    assert np.isinf(scores).all()  # the input is not modified
+
+
+def test_update_scores_is_an_ema_and_dropped_units_keep_their_score() -> None:
+    scores = np.array([4.0, 2.0, 8.0, INF])
+    change = np.array([8.0, 0.0, 100.0, 100.0])
+    computed = np.array([True, True, False, False])
+    out = update_scores(scores, change, computed, decay=0.75)
+    assert out.tolist() == [0.75 * 4 + 0.25 * 8, 0.75 * 2 + 0.25 * 0, 8.0, INF]
+    # Two steps: s2 = d * (d * s0 + (1 - d) w1) + (1 - d) w2.
+    out2 = update_scores(out, np.array([0.0, 4.0, 0.0, 0.0]), np.ones(4, bool), decay=0.75)
+    assert out2[:3].tolist() == [0.75 * 5.0, 0.75 * 1.5 + 0.25 * 4.0, 0.75 * 8.0 + 0.0]
+    assert out2[3] == 0.0  # first measurement of the last unit
+    # decay 0: the score is the last measurement (0 * inf = nan is computed, then discarded).
+    with np.errstate(invalid="ignore"):
+        assert update_scores(scores, change, np.ones(4, bool), decay=0.0).tolist() == change.tolist()
+
+
+def test_update_drop_age_counts_consecutive_drops_and_resets() -> None:
+    age = np.zeros(4, int)
+    age = update_drop_age(age, np.array([True, True, False, False]))
+    assert age.tolist() == [1, 1, 0, 0]
+    age = update_drop_age(age, np.array([True, False, True, False]))
+    assert age.tolist() == [2, 0, 1, 0]
+    age = update_drop_age(age, np.array([True, False, True, False]))
+    assert age.tolist() == [3, 0, 2, 0]
+    age = update_drop_age(age, np.array([False, False, True, False]))
+    assert age.tolist() == [0, 0, 3, 0]
+
+
+# --- select_random -----------------------------------------------------------------------------
+
+
+def test_random_selection_is_reproducible_from_its_seed() -> None:
+    a = select_random(64, 16, seed=(1234, 10, 2, 1, 0, 0))
+    b = select_random(64, 16, seed=(1234, 10, 2, 1, 0, 0))
+    assert a == b
+    assert len(a) == 16 and len(set(a)) == 16 and list(a) == sorted(a)
+    assert all(0 <= u < 64 for u in a)
+    assert select_random(64, 16, seed=7) == select_random(64, 16, seed=7)
+
+
+def test_random_selection_differs_between_seeds() -> None:
+    picks = {select_random(64, 16, seed=(1234, step, 1, 1, 0, 0)) for step in range(8)}
+    assert len(picks) == 8  # C(64, 16) ~ 5e14: a repeat would mean the seed is ignored
+    assert select_random(64, 16, seed=1) != select_random(64, 16, seed=2)
+    # Every unit is eventually picked across seeds (no fixed subset).
+    seen = set().union(*(select_random(8, 2, seed=s) for s in range(200)))
+    assert seen == set(range(8))
+
+
+def test_random_selection_edges() -> None:
+    assert select_random(4, 0, seed=0) == ()
+    assert len(select_random(4, 3, seed=0)) == 3
+    with pytest.raises(ValueError) as err:
+        select_random(4, 4, seed=0)
+    _one_line(err, "cannot drop 4 of 4 units")
+
+
+# --- units_to_drop / plan_resize ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "units, gamma, expected",
+    [
+        (64, 0.5, 32),
+        (64, 0.0, 0),
+        (64, 0.3, 19),  # floor(19.2)
+        (4, 0.5, 2),
+        (4, 0.3, 1),  # floor(1.2)
+        (4, 0.74, 2),
+        (4, 0.75, 3),
+        (10, 0.3, 3),  # 0.3 * 10 = 3.0000000000000004 in floats
+        (100, 0.29, 29),  # 0.29 * 100 = 28.999999999999996 in floats: still 29
+        (10, 0.7, 7),
+        (2, 0.99, 1),
+        (1, 0.9, 0),  # keep at least one unit
+    ],
+)
+def test_units_to_drop_is_floor_of_gamma_times_units(units: int, gamma: float, expected: int) -> None:
+    assert units_to_drop(units, gamma) == expected
+
+
+@pytest.mark.parametrize("gamma", [1.0, 1.5, -0.1])
+def test_units_to_drop_rejects_gamma_outside_0_1(gamma: float) -> None:
+    with pytest.raises(ValueError) as err:
+        units_to_drop(8, gamma)
+    _one_line(err, "gamma must be in [0, 1)")
+
+
+def test_plan_resize_drops_floor_gamma_units_per_block_with_overrides() -> None:
+    block_units = {("attn", 1): 4, ("mlp", 1): 64, ("attn", 2): 4, ("mlp", 2): 64}
+    gammas = {(0, 0): 0.5, (1, 0): 0.3, (0, 1): 0.0}
+    calls = []
+
+    def choose(block, rank, n_drop):
+        calls.append((block, rank, n_drop))
+        return tuple(range(n_drop))[::-1]  # unsorted on purpose
+
+    plan = plan_resize(block_units, gammas, choose, overrides={("mlp", 2): 0.125, ("attn", 2): 0.0})
+    expected = {
+        ("attn", 1): {(0, 0): 2, (1, 0): 1},  # floor(0.5 * 4), floor(0.3 * 4)
+        ("mlp", 1): {(0, 0): 32, (1, 0): 19},  # floor(0.5 * 64), floor(0.3 * 64)
+        ("mlp", 2): {(0, 0): 8, (1, 0): 8},  # the override applies to every resized rank
+        ("attn", 2): {},  # override 0: nothing dropped there
+    }
+    for block, ranks in expected.items():
+        assert {rank: len(units) for rank, units in plan.blocks[block].items()} == ranks, block
+        for rank, n in ranks.items():
+            assert plan.dropped(block, *rank) == tuple(range(n))[::-1]
+        assert plan.dropped(block, 0, 1) == ()  # gamma 0: no entry
+    # choose() is asked only for ranks and blocks that drop something, with the count to drop.
+    assert sorted(calls) == sorted((b, r, n) for b, ranks in expected.items() for r, n in ranks.items())
+    assert all(rank != (0, 1) for _, rank, _ in calls)
+
+
+def test_plan_resize_without_resized_ranks_is_empty() -> None:
+    plan = plan_resize({("mlp", 1): 8}, {(0, 0): 0.0}, lambda *a: pytest.fail("choose called"))
+    assert plan.is_empty
+    plan = plan_resize({("mlp", 1): 8}, {(0, 0): 0.1}, lambda *a: pytest.fail("choose called"))
+    assert plan.is_empty  # floor(0.8) = 0
+
+
+# --- parse_rank_gammas / parse_block_gammas ----------------------------------------------------
+
+
+def test_parse_rank_gammas() -> None:
+    assert parse_rank_gammas("0:0.5", dp_size=2, tp_size=2) == {(0, 0): 0.5, (1, 0): 0.5}
+    assert parse_rank_gammas("1.0:0.25", dp_size=2, tp_size=2) == {(1, 0): 0.25}
+    assert parse_rank_gammas(" 0:0.5 , 1.1:0.25,", dp_size=2, tp_size=2) == {
+        (0, 0): 0.5,
+        (1, 0): 0.5,
+        (1, 1): 0.25,
+    }
+    assert parse_rank_gammas("0:0.5,0.0:0.1", dp_size=2, tp_size=1) == {(0, 0): 0.1, (1, 0): 0.5}
+    assert parse_rank_gammas("1:0", dp_size=1, tp_size=2) == {(0, 1): 0.0}
+    assert parse_rank_gammas(None, 2, 2) == {} and parse_rank_gammas("", 2, 2) == {}
+
+
+@pytest.mark.parametrize(
+    "text, needles",
+    [
+        ("2:0.5", ["'2:0.5'", "names no rank of DP 2 x TP 2"]),
+        ("2.0:0.5", ["names no rank"]),
+        ("-1:0.5", ["names no rank"]),
+        ("0:1.0", ["gamma must be in [0, 1)"]),
+        ("0:-0.25", ["gamma must be in [0, 1)"]),
+        ("0:nan", ["gamma must be in [0, 1)"]),
+        ("x:0.5", ["bad resize entry 'x:0.5'", "TP_RANK:GAMMA or DP_RANK.TP_RANK:GAMMA"]),
+        ("0", ["bad resize entry '0'"]),
+        ("0:", ["bad resize entry"]),
+        ("0:half", ["bad resize entry"]),
+        ("0.0.0:0.5", ["bad resize entry"]),
+    ],
+)
+def test_parse_rank_gammas_errors(text: str, needles: list[str]) -> None:
+    with pytest.raises(ValueError) as err:
+        parse_rank_gammas(text, dp_size=2, tp_size=2)
+    _one_line(err, *needles)
+
+
+def test_parse_block_gammas() -> None:
+    assert parse_block_gammas("mlp:3=0.25, attn:1=0") == {("mlp", 3): 0.25, ("attn", 1): 0.0}
+    assert parse_block_gammas(None) == {} and parse_block_gammas("") == {}
+
+
+@pytest.mark.parametrize(
+    "text, needles",
+    [
+        ("mlp:3", ["bad block override 'mlp:3'"]),
+        ("ffn:1=0.5", ["bad block override", "mlp:LAYER=GAMMA or attn:LAYER=GAMMA"]),
+        ("mlp:x=0.5", ["bad block override"]),
+        ("mlp:-1=0.5", ["bad block override"]),
+        ("mlp:1=1.5", ["gamma must be in [0, 1)"]),
+        ("mlp:1=abc", ["bad block override"]),
+    ],
+)
+def test_parse_block_gammas_errors(text: str, needles: list[str]) -> None:
+    with pytest.raises(ValueError) as err:
+        parse_block_gammas(text)
+    _one_line(err, *needles)
+
+
+# --- ResizePlan --------------------------------------------------------------------------------
+
+
+def test_plan_lookups_and_sorting() -> None:
+    plan = ResizePlan.from_dict({"blocks": {"mlp:1": {"0,1": [7, 3]}, "attn:2": {"1,0": [1]}}})
+    assert plan.dropped(("mlp", 1), dp_rank=0, tp_rank=1) == (3, 7)
+    assert plan.dropped(("mlp", 1), dp_rank=1, tp_rank=1) == ()
+    assert plan.dropped(("mlp", 2), dp_rank=0, tp_rank=1) == ()
+    assert plan.dropped(("attn", 2), 1, 0) == (1,)
+    assert not plan.is_empty
+    assert ResizePlan().is_empty
+    assert ResizePlan.from_dict({"blocks": {"mlp:1": {"0,0": []}}}).is_empty
+    assert ResizePlan.from_dict({}).is_empty
+
+
+def test_plan_round_trips_through_dict_and_json() -> None:
+    plan = plan_resize(
+        {("attn", 1): 4, ("mlp", 1): 16, ("mlp", 12): 16},
+        {(0, 0): 0.5, (1, 1): 0.25, (1, 0): 0.0},
+        lambda block, rank, n: select_random(16 if block[0] == "mlp" else 4, n, seed=(block[1], *rank)),
+    )
+    data = plan.to_dict()
+    assert json.loads(json.dumps(data)) == data  # plain JSON types
+    assert set(data["blocks"]) == {"attn:1", "mlp:1", "mlp:12"}
+    assert set(data["blocks"]["mlp:1"]) == {"0,0", "1,1"}  # gamma-0 rank absent
+    assert ResizePlan.from_dict(data) == plan
+    assert ResizePlan.from_json(plan.to_json()) == plan
+    assert plan.to_json() == ResizePlan.from_json(plan.to_json()).to_json()  # canonical text
+    # Entries that drop nothing are not written.
+    sparse = ResizePlan({("mlp", 1): {(0, 0): (), (0, 1): (2,)}})
+    assert sparse.to_dict() == {"blocks": {"mlp:1": {"0,1": [2]}}}
+
+
+def test_compute_counts() -> None:
+    plan = ResizePlan.from_dict({"blocks": {"mlp:1": {"0,0": [1, 2], "1,0": [1], "2,0": [2, 3], "0,1": [0]}}})
+    # Unit u of TP rank 0: how many of the 3 DP replicas compute it.
+    assert plan.compute_counts(("mlp", 1), tp_rank=0, dp_size=3, num_units=5) == [3, 1, 1, 2, 3]
+    assert plan.compute_counts(("mlp", 1), tp_rank=1, dp_size=3, num_units=5) == [2, 3, 3, 3, 3]
+    assert plan.compute_counts(("attn", 1), tp_rank=0, dp_size=3, num_units=2) == [3, 3]
+    # Only the replicas within dp_size count.
+    assert plan.compute_counts(("mlp", 1), tp_rank=0, dp_size=1, num_units=5) == [1, 0, 0, 1, 1]
+    # Every replica dropping a unit: count 0 (imputed).
+    both = ResizePlan.from_dict({"blocks": {"attn:3": {"0,0": [1], "1,0": [1, 2]}}})
+    assert both.compute_counts(("attn", 3), 0, 2, 4) == [2, 0, 1, 2]
+
+
+def test_block_names() -> None:
+    assert block_name(("mlp", 3)) == "mlp:3"
+    assert parse_block_name("attn:12") == ("attn", 12)
+    for bad in ("mlp", "mlp:", "ffn:1", "mlp:one", "attn:-1", ":1"):
+        with pytest.raises(ValueError) as err:
+            parse_block_name(bad)
+        _one_line(err, "bad block name", "'mlp:<layer>' or 'attn:<layer>'")

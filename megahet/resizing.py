@@ -2,18 +2,28 @@
 for a plan (gammas from the config, units from the selection policy) and hand it to the executor.
 
 A step hook of the Trainer (see training.py): `before_forward_backward`, `before_step`,
-`after_step`, `metrics`. Each rank plans the entries of its own TP rank for every DP replica: the
-priority scores come from that TP shard's weights, which are identical on its DP replicas, so all
-replicas derive the same entries without communicating; other TP ranks' entries are not needed to
-execute the plan.
+`after_step`, `evaluation`, `metrics`. The plan is identical on every rank of a pipeline stage: random
+selection is seeded by (seed, step, block, rank), and priority scores are averaged over the DP
+replicas of each TP rank and all-gathered over the TP group (a few floats per unit) before every
+rank runs the same pure planner.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from megahet.balance.resize_planner import parse_block_gammas, parse_rank_gammas, plan_resize
-from megahet.balance.selection import select_priority, select_random, update_drop_age, update_scores
+from megahet.balance.selection import (
+    GradientStats,
+    select_priority,
+    select_random,
+    update_drop_age,
+    update_gradient_stats,
+    variation_scores,
+)
 from megahet.config import MegahetConfig
 from megahet.parallel import ParallelLayout
 from megahet.tensor_parallel.executor import ResizeExecutor
@@ -23,10 +33,8 @@ from megahet.tensor_parallel.plan import BlockKey, RankKey
 class ResizeController:
     def __init__(self, cfg: MegahetConfig, model, layout: ParallelLayout, num_microbatches: int):
         r = cfg.resize
-        self.cfg, self.layout = r, layout
-        self.seed = cfg.train.seed
-        gammas = parse_rank_gammas(r.gamma, layout.dp_size, layout.tp_size)
-        self.gammas = {rank: g for rank, g in gammas.items() if rank[1] == layout.tp_rank}
+        self.cfg, self.layout, self.seed = r, layout, cfg.train.seed
+        self.gammas = parse_rank_gammas(r.gamma, layout.dp_size, layout.tp_size)
         self.overrides = parse_block_gammas(r.block_gamma)
         self.executor = ResizeExecutor(
             model,
@@ -35,30 +43,46 @@ class ResizeController:
             dp_size=layout.dp_size,
             imputation=r.imputation,
             num_microbatches=num_microbatches,
-            track_weight_change=r.selection == "priority",
+            track_gradients=r.selection == "priority",
         )
-        units = self.executor.block_units
-        self.scores = {block: np.full(n, np.inf) for block, n in units.items()}
-        self.drop_age = {
-            (block, rank): np.zeros(n, int) for block, n in units.items() for rank in self.gammas
-        }
+        self.units = self.executor.block_units
+        self.stats: dict[BlockKey, GradientStats] = {}
+        self.scores: dict[tuple[BlockKey, int], np.ndarray] = {}
+        self.drop_age = {(b, rank): np.zeros(n, int) for b, n in self.units.items() for rank in self.gammas}
         self.step = 0
+        self._flops_logged = 0
+
+    def _local_scores(self, block: BlockKey) -> np.ndarray:
+        stats = self.stats.get(block)
+        return variation_scores(stats) if stats is not None else np.full(self.units[block], np.inf)
+
+    def _gather_scores(self) -> None:
+        """Scores of every TP rank's units, each averaged over that TP rank's DP replicas."""
+        blocks = sorted(self.units)
+        local = torch.from_numpy(np.concatenate([self._local_scores(b) for b in blocks]))
+        if self.layout.dp_size > 1:
+            dist.all_reduce(local, group=ps.get_data_parallel_group())
+            local /= self.layout.dp_size  # an unmeasured (inf) unit on any replica stays inf
+        gathered = [torch.empty_like(local) for _ in range(self.layout.tp_size)]
+        dist.all_gather(gathered, local, group=ps.get_tensor_model_parallel_group())
+        for tp_rank, scores in enumerate(gathered):
+            for block, part in zip(blocks, scores.split([self.units[b] for b in blocks])):
+                self.scores[(block, tp_rank)] = part.numpy()
 
     def _choose(self, block: BlockKey, rank: RankKey, n_drop: int) -> tuple[int, ...]:
         if self.cfg.selection == "random":
             kind = 0 if block[0] == "attn" else 1
-            return select_random(
-                len(self.scores[block]), n_drop, (self.seed, self.step, block[1], kind, *rank)
-            )
+            return select_random(self.units[block], n_drop, (self.seed, self.step, block[1], kind, *rank))
         return select_priority(
-            self.scores[block], self.drop_age[(block, rank)], n_drop, self.cfg.max_drop_steps
+            self.scores[(block, rank[1])], self.drop_age[(block, rank)], n_drop, self.cfg.max_drop_steps
         )
 
     def before_forward_backward(self, step: int) -> None:
         self.step = step
         if step % self.cfg.reselect_interval == 0:
-            plan = plan_resize(self.executor.block_units, self.gammas, self._choose, self.overrides)
-            self.executor.apply(plan)
+            if self.cfg.selection == "priority":
+                self._gather_scores()
+            self.executor.apply(plan_resize(self.units, self.gammas, self._choose, self.overrides))
 
     def before_step(self, engine) -> None:
         self.executor.before_step(engine.optimizer)
@@ -66,12 +90,14 @@ class ResizeController:
     def after_step(self, engine) -> None:
         self.executor.after_step(engine.optimizer)
         plan = self.executor.plan
-        for block, scores in self.scores.items():
-            counts = plan.compute_counts(block, self.layout.tp_rank, self.layout.dp_size, len(scores))
-            change = self.executor.weight_change.get(block, np.zeros(len(scores)))
-            self.scores[block] = update_scores(scores, change, np.asarray(counts) > 0, self.cfg.score_decay)
+        for block, n in self.units.items():
+            if self.cfg.selection == "priority":
+                grad = self.executor.unit_gradients[block].numpy()
+                stats = self.stats.get(block) or GradientStats.empty(n, grad.shape[1])
+                computed = self.executor.computed_units(block)
+                self.stats[block] = update_gradient_stats(stats, grad, computed, self.cfg.score_decay)
             for rank in self.gammas:
-                dropped = np.zeros(len(scores), bool)
+                dropped = np.zeros(n, bool)
                 dropped[list(plan.dropped(block, *rank))] = True
                 self.drop_age[(block, rank)] = update_drop_age(self.drop_age[(block, rank)], dropped)
 
@@ -80,10 +106,12 @@ class ResizeController:
         return self.executor.full_model()
 
     def metrics(self) -> dict[str, float]:
-        """This rank's share of units dropped and its executed forward GFLOPs (resizable blocks)."""
-        total = sum(self.executor.block_units.values())
+        """This rank's share of dropped units, and forward GFLOPs its resizable blocks executed since
+        the last call (training and evaluation)."""
+        total = sum(self.units.values())
         dropped = sum(
-            len(self.executor.plan.dropped(b, self.layout.dp_rank, self.layout.tp_rank))
-            for b in self.executor.blocks
+            len(self.executor.plan.dropped(b, self.layout.dp_rank, self.layout.tp_rank)) for b in self.units
         )
-        return {"dropped_frac": dropped / max(total, 1), "gflops": self.executor.executed_flops() / 1e9}
+        flops = self.executor.executed_flops()
+        gflops, self._flops_logged = (flops - self._flops_logged) / 1e9, flops
+        return {"dropped_frac": dropped / max(total, 1), "block_gflops": gflops}

@@ -233,7 +233,22 @@ class Trainer:
             compute_min_s=-float(compute[0]),
             compute_max_s=float(compute[1]),
         )
+        metrics.update(self._hook_metrics())
         return metrics
+
+    def _hook_metrics(self) -> dict[str, float]:
+        """Each step hook's per-rank metrics as <name>_min / <name>_max over all ranks."""
+        values = {
+            k: v for hook in self.step_hooks if hasattr(hook, "metrics") for k, v in hook.metrics().items()
+        }
+        if not values:
+            return {}
+        both = torch.tensor([x for v in values.values() for x in (-v, v)], dtype=torch.float64)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        out = {}
+        for i, key in enumerate(values):
+            out[f"{key}_min"], out[f"{key}_max"] = -float(both[2 * i]), float(both[2 * i + 1])
+        return out
 
 
 def _mean_over_dp(values: list[torch.Tensor]) -> float:

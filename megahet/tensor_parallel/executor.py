@@ -58,7 +58,7 @@ class ResizeExecutor:
         dp_size: int,
         imputation: Imputation = "zero",
         num_microbatches: int = 1,
-        track_weight_change: bool = False,
+        track_gradients: bool = False,
     ):
         if imputation not in ("zero", "same", "average"):
             raise ValueError(f"imputation must be zero, same or average, got {imputation!r}")
@@ -69,17 +69,17 @@ class ResizeExecutor:
         self._state: dict[BlockKey, _BlockState | None] = dict.fromkeys(self.blocks)
         self._last_grad: dict[UnitParam, torch.Tensor] = {}
         self._step_grad: dict[UnitParam, torch.Tensor] = {}
-        self._previous: dict[UnitParam, torch.Tensor] = {}
         self._frozen: list = []
-        self.weight_change: dict[BlockKey, np.ndarray] = {}
+        self.unit_gradients: dict[BlockKey, torch.Tensor] = {}
+        """With track_gradients: each unit's local gradient of the last step, (units, elements)."""
         for block in self.blocks.values():
             for up in block.unit_params:
                 up.param.register_hook(self._make_hook(block.key, up))
                 if imputation == "same":
                     self._last_grad[up] = torch.zeros_like(up.param, dtype=torch.float32)
+                if imputation == "same" or track_gradients:
                     self._step_grad[up] = torch.zeros_like(up.param, dtype=torch.float32)
-                if track_weight_change:
-                    self._previous[up] = up.param.detach().clone()
+        self.track_gradients = track_gradients
 
     @property
     def block_units(self) -> dict[BlockKey, int]:
@@ -100,6 +100,10 @@ class ResizeExecutor:
             n = block.num_units
             counts = torch.tensor(plan.compute_counts(key, self.tp_rank, self.dp_size, n))
             dropped = torch.tensor(plan.dropped(key, self.dp_rank, self.tp_rank), dtype=torch.long)
+            if len(dropped) and (int(dropped.max()) >= n or len(dropped) >= n):
+                raise ValueError(
+                    f"plan drops units {dropped.tolist()} of block {key}, which has {n}: keep at least one"
+                )
             computed = torch.ones(n, dtype=torch.bool)
             computed[dropped] = False
             if bool(computed.all()) and bool((counts == self.dp_size).all()):
@@ -123,7 +127,7 @@ class ResizeExecutor:
     def _make_hook(self, key: BlockKey, up: UnitParam):
         def hook(grad: torch.Tensor) -> torch.Tensor:
             state = self._state[key]
-            if self.imputation == "same":
+            if up in self._step_grad:
                 self._step_grad[up] += grad.float()
             if state is None:
                 return grad
@@ -156,23 +160,21 @@ class ResizeExecutor:
                 self._frozen.append(_FrozenSlice.capture(up.param, mask.view(-1), optimizer))
 
     def after_step(self, optimizer=None) -> None:
-        """Restore frozen units; refresh 'same' gradients and weight-change statistics."""
+        """Restore frozen units; keep the step's unit gradients ('same' policy, statistics)."""
         for frozen in self._frozen:
             frozen.restore(optimizer)
         self._frozen = []
         for key, block in self.blocks.items():
-            computed = self.computed_units(key)
-            change = np.zeros(block.num_units)
+            keep = torch.from_numpy(self.computed_units(key))
+            if self.track_gradients:
+                self.unit_gradients[key] = torch.cat(
+                    [up.units(self._step_grad[up]).flatten(1) for up in block.unit_params], dim=1
+                )  # (units, elements per unit)
             for up in block.unit_params:
-                if up in self._step_grad:
-                    keep = torch.from_numpy(computed)
+                if up in self._last_grad:
                     up.units(self._last_grad[up])[keep] = up.units(self._step_grad[up])[keep]
+                if up in self._step_grad:
                     self._step_grad[up].zero_()
-                if up in self._previous:
-                    now = up.param.detach()
-                    change += up.units((now - self._previous[up]).abs().float()).flatten(1).sum(1).numpy()
-                    self._previous[up] = now.clone()
-            self.weight_change[key] = change
 
 
 @dataclasses.dataclass

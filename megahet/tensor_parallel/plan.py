@@ -72,7 +72,12 @@ class ResizePlan:
             entry = {}
             for key, units in ranks.items():
                 dp, _, tp = key.partition(",")
-                entry[(int(dp), int(tp))] = tuple(sorted(int(u) for u in units))
+                indexes = sorted(int(u) for u in units)
+                if len(set(indexes)) != len(indexes) or (indexes and indexes[0] < 0):
+                    raise ValueError(
+                        f"plan entry {name} [{key}] must list distinct non-negative units, got {units}"
+                    )
+                entry[(int(dp), int(tp))] = tuple(indexes)
             blocks[parse_block_name(name)] = entry
         return cls(blocks)
 

@@ -234,27 +234,24 @@ def test_same_imputation_reuses_the_last_computed_gradient(world1) -> None:
             assert not torch.equal(unit(g_c[name], dim, width, u), unit(g_b[name], dim, width, u))
 
 
-def test_weight_change_statistics_per_unit(world1) -> None:
-    """The priority score's input: per unit, the L1 norm of its weights' change over the last step
-    (summed over its parameters); 0 for units not computed (frozen)."""
+def test_unit_gradient_statistics_input(world1) -> None:
+    """The priority statistics' input: per unit, this rank's gradient of the step over all of the
+    unit's parameters (column weight rows, column bias, row weight columns), 0 for dropped units."""
     model = gpt()
-    executor = ResizeExecutor(model, dp_rank=0, tp_rank=0, dp_size=1, track_weight_change=True)
+    executor = ResizeExecutor(model, dp_rank=0, tp_rank=0, dp_size=1, track_gradients=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     executor.apply(_plan(DROPS))
     for i in range(2):
-        w0 = {n: p.detach().clone() for n, p in model.named_parameters()}
-        step(model, executor, optimizer, batches(40 + i))
-        w1 = dict(model.named_parameters())
+        grads = step(model, executor, optimizer, batches(40 + i))
         for key, dropped in DROPS.items():
-            expected = torch.zeros(num_units(key), dtype=torch.float64)
-            for name, dim, width in unit_params(key):
-                for u in range(num_units(key)):
-                    expected[u] += (
-                        (unit(w1[name].detach(), dim, width, u) - unit(w0[name], dim, width, u)).abs().sum()
-                    )
-            change = torch.from_numpy(executor.weight_change[key])
-            torch.testing.assert_close(change, expected, rtol=1e-5, atol=0.0)
-            assert (change[list(dropped)] == 0).all() and (change > 0).sum() == num_units(key) - len(dropped)
+            tracked = executor.unit_gradients[key]  # (units, elements)
+            for u in range(num_units(key)):
+                expected = torch.cat(
+                    [unit(grads[n], dim, w, u).reshape(-1) for n, dim, w in unit_params(key)]
+                )
+                torch.testing.assert_close(tracked[u], expected.float(), rtol=1e-6, atol=0.0)
+            assert (tracked[list(dropped)] == 0).all()
+            assert (tracked.abs().sum(1) > 0).sum() == num_units(key) - len(dropped)
             assert executor.computed_units(key).tolist() == [u not in dropped for u in range(num_units(key))]
 
 

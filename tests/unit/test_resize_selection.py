@@ -1,5 +1,5 @@
 """Tests of the ZERO-resizing policy, all pure functions: unit selection (priority with its fairness
-guard, random), the priority statistics (`update_scores`, `update_drop_age`), the planner
+guard, random), the priority statistics (`update_gradient_stats`, `variation_scores`, `update_drop_age`), the planner
 (`units_to_drop`, `plan_resize` with per-block overrides, `parse_rank_gammas`, `parse_block_gammas`)
 and the plan itself (`ResizePlan`: lookups, `compute_counts`, dict / JSON round trips).
 
@@ -20,7 +20,14 @@ from megahet.balance.resize_planner import (
     plan_resize,
     units_to_drop,
 )
-from megahet.balance.selection import select_priority, select_random, update_drop_age, update_scores
+from megahet.balance.selection import (
+    GradientStats,
+    select_priority,
+    select_random,
+    update_drop_age,
+    update_gradient_stats,
+    variation_scores,
+)
 from megahet.tensor_parallel.plan import ResizePlan, block_name, parse_block_name
 
 INF = math.inf
@@ -99,29 +106,44 @@ def test_priority_errors() -> None:
         select_priority(np.zeros(4), np.zeros(4, int), n_drop=-1, max_drop_steps=5)
 
 
-# --- update_scores / update_drop_age -----------------------------------------------------------
+# --- gradient statistics / update_drop_age ----------------------------------------------------
 
 
-def test_update_scores_first_measurement_replaces_inf() -> None:
-    scores = np.full(3, INF)
-    out = update_scores(scores, np.array([4.0, 2.0, 8.0]), np.array([True, True, False]), decay=0.5)
-    assert out.tolist() == [4.0, 2.0, INF]  # not an EMA with inf; the dropped unit stays unmeasured
-    assert np.isinf(scores).all()  # the input is not modified
+def test_variation_scores_need_two_measurements_and_measure_variance() -> None:
+    stats = GradientStats.empty(3, 2)
+    assert np.isinf(variation_scores(stats)).all()  # never measured: never preferred for dropping
+    g1 = np.array([[1.0, 0.0], [2.0, 2.0], [5.0, 5.0]])
+    stats = update_gradient_stats(stats, g1, np.array([True, True, False]), decay=0.5)
+    assert stats.count.tolist() == [1, 1, 0]
+    assert np.isinf(variation_scores(stats)).all()  # one sample has no variance
+    g2 = np.array([[-1.0, 0.0], [2.0, 2.0], [5.0, 5.0]])
+    stats = update_gradient_stats(stats, g2, np.array([True, True, True]), decay=0.5)
+    scores = variation_scores(stats)
+    # unit 0 flips sign: mean (0, 0), E||g||^2 = 1 -> variance 1; unit 1 is constant -> 0.
+    assert scores[0] == pytest.approx(1.0) and scores[1] == pytest.approx(0.0) and np.isinf(scores[2])
+    assert stats.count.tolist() == [2, 2, 1]
 
 
-def test_update_scores_is_an_ema_and_dropped_units_keep_their_score() -> None:
-    scores = np.array([4.0, 2.0, 8.0, INF])
-    change = np.array([8.0, 0.0, 100.0, 100.0])
-    computed = np.array([True, True, False, False])
-    out = update_scores(scores, change, computed, decay=0.75)
-    assert out.tolist() == [0.75 * 4 + 0.25 * 8, 0.75 * 2 + 0.25 * 0, 8.0, INF]
-    # Two steps: s2 = d * (d * s0 + (1 - d) w1) + (1 - d) w2.
-    out2 = update_scores(out, np.array([0.0, 4.0, 0.0, 0.0]), np.ones(4, bool), decay=0.75)
-    assert out2[:3].tolist() == [0.75 * 5.0, 0.75 * 1.5 + 0.25 * 4.0, 0.75 * 8.0 + 0.0]
-    assert out2[3] == 0.0  # first measurement of the last unit
-    # decay 0: the score is the last measurement (0 * inf = nan is computed, then discarded).
-    with np.errstate(invalid="ignore"):
-        assert update_scores(scores, change, np.ones(4, bool), decay=0.0).tolist() == change.tolist()
+def test_gradient_stats_are_emas_and_dropped_units_keep_theirs() -> None:
+    stats = GradientStats(np.array([[2.0], [4.0]]), np.array([4.0, 16.0]), np.array([3, 3]))
+    out = update_gradient_stats(stats, np.array([[6.0], [100.0]]), np.array([True, False]), decay=0.75)
+    assert out.mean[:, 0].tolist() == [0.75 * 2 + 0.25 * 6, 4.0]
+    assert out.sq.tolist() == [0.75 * 4 + 0.25 * 36, 16.0]
+    assert out.count.tolist() == [4, 3]
+    assert stats.mean[0, 0] == 2.0  # inputs are not modified
+
+
+def test_priority_drops_the_least_varying_units_on_a_constructed_example() -> None:
+    """Units 1 and 3 receive the same gradient every step; 0 and 2 alternate; priority drops 1 and 3."""
+    stats = GradientStats.empty(4, 3)
+    rng = np.random.default_rng(0)
+    steady = rng.normal(size=(4, 3))
+    for t in range(6):
+        grad = steady.copy()
+        grad[[0, 2]] *= (-1) ** t
+        stats = update_gradient_stats(stats, grad, np.ones(4, bool), decay=0.8)
+    drop = select_priority(variation_scores(stats), np.zeros(4, int), n_drop=2, max_drop_steps=10)
+    assert drop == (1, 3)
 
 
 def test_update_drop_age_counts_consecutive_drops_and_resets() -> None:
@@ -342,3 +364,9 @@ def test_block_names() -> None:
         with pytest.raises(ValueError) as err:
             parse_block_name(bad)
         _one_line(err, "bad block name", "'mlp:<layer>' or 'attn:<layer>'")
+
+
+@pytest.mark.parametrize("units", [[3, 3], [-1, 2]])
+def test_plan_from_dict_rejects_duplicate_or_negative_units(units) -> None:
+    with pytest.raises(ValueError, match="distinct non-negative"):
+        ResizePlan.from_dict({"blocks": {"mlp:1": {"0,0": units}}})

@@ -15,10 +15,8 @@ import copy
 import itertools
 import json
 import math
-import socket
 from pathlib import Path
 
-import deepspeed
 import pytest
 import torch
 from deepspeed.runtime.config import DeepSpeedConfig
@@ -46,29 +44,6 @@ def _one_line(err: pytest.ExceptionInfo[BaseException], *needles: str) -> None:
     assert "\n" not in msg, msg
     for needle in needles:
         assert needle in msg, (needle, msg)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def world1():
-    """A one-rank gloo world with megatron-core's groups (TP=PP=DP=1) and DeepSpeed's comm."""
-    from megahet.parallel import destroy_parallel, initialize_parallel
-
-    with pytest.MonkeyPatch.context() as mp:
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0"}
-        for key, value in {**env, "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
-            mp.setenv(key, value)
-        layout = initialize_parallel(tp=1, pp=1, seed=1234)
-        deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
-        try:
-            yield layout
-        finally:
-            destroy_parallel()
 
 
 # --- deepspeed_config() --------------------------------------------------------------------------

@@ -21,7 +21,6 @@ Run: ``python -m pytest tests/unit/test_resize_executor.py -q`` (about 20 s).
 from __future__ import annotations
 
 import importlib.util
-import socket
 from pathlib import Path
 
 import pytest
@@ -42,28 +41,6 @@ HN = HIDDEN // HEADS
 VOCAB, SEQ, MICRO = 64, 8, 2
 
 DROPS = {("mlp", 1): (2, 3, 10, 31, 47, 60), ("attn", 1): (1,), ("attn", 2): (0, 3), ("mlp", 2): (0, 63)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def world1():
-    """A one-rank gloo world with megatron-core's groups (TP=PP=DP=1)."""
-    from megahet.parallel import destroy_parallel, initialize_parallel
-
-    with pytest.MonkeyPatch.context() as mp:
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0"}
-        for key, value in {**env, "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
-            mp.setenv(key, value)
-        layout = initialize_parallel(tp=1, pp=1, seed=SEED)
-        try:
-            yield layout
-        finally:
-            destroy_parallel()
 
 
 def gpt() -> torch.nn.Module:

@@ -18,7 +18,6 @@ Run: ``python -m pytest tests/unit/test_resize_layers.py -q`` (about 15 s, mostl
 from __future__ import annotations
 
 import dataclasses
-import socket
 from fractions import Fraction
 
 import pytest
@@ -62,28 +61,6 @@ DROPS = {
     ("attn", 1): (0, 3),
     ("attn", 2): (2,),
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def world1():
-    """A one-rank gloo world with megatron-core's groups (TP=PP=DP=1)."""
-    from megahet.parallel import destroy_parallel, initialize_parallel
-
-    with pytest.MonkeyPatch.context() as mp:
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0"}
-        for key, value in {**env, "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
-            mp.setenv(key, value)
-        layout = initialize_parallel(tp=1, pp=1, seed=SEED)
-        try:
-            yield layout
-        finally:
-            destroy_parallel()
 
 
 def _cfg(**overrides: object) -> MegahetConfig:

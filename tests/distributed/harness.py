@@ -65,39 +65,58 @@ def _excerpt(output: str, limit: int = 6000) -> str:
     return head + ("\n[...]\n" if head and not output.endswith(head) else "") + tail
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live process below pid (from /proc; empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def _kill_launch(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every rank it started: torchrun starts each rank in a session of its
+    own, so killing the launcher's process group would leave the ranks running (and holding our
+    output pipe open)."""
+    for pid in [*_descendants(proc.pid), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def torchrun(worker: str, nproc: int, args: list[str], *, cwd: Path, timeout: float = 300) -> str:
     """Run HERE/worker under torchrun with nproc ranks; return its output or raise LaunchError."""
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WANDB_MODE="disabled")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     for attempt in range(3):
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
         cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(nproc),
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            str(free_port()),
+            *launcher,
+            "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}",
             str(HERE / worker),
             *args,
         ]
-        # A session of its own, so that a timeout can end the launcher and all of its ranks.
         proc = subprocess.Popen(
-            cmd,
-            cwd=cwd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
+            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
         try:
             output, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
+            _kill_launch(proc)
+            try:
+                output, _ = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:  # some rank escaped: give up on the rest of the output
+                output = ""
             raise LaunchError(
                 f"{worker} with {nproc} ranks timed out after {timeout:.0f} s:\n{_excerpt(output)}"
             ) from None

@@ -24,9 +24,14 @@ from megahet.data.gpt_data import build_gpt_datasets
 from megahet.data.prepare import ensure_gpt_data, gpt_data_paths
 from megahet.data.sampling import micro_batches
 from megahet.data.tokenizer import SentencePieceTokenizer
+from megahet.data.wheels import data_dir
 from megahet.models.gpt import build_gpt
 from megahet.parallel import ParallelLayout
 from megahet.training import Task, TaskSpec, run_cli
+
+
+def prepared_data_dir(cfg: MegahetConfig) -> Path:
+    return Path(cfg.data.data_dir).expanduser() if cfg.data.data_dir else data_dir() / "gpt"
 
 
 def data_paths(cfg: MegahetConfig) -> tuple[str, str]:
@@ -34,7 +39,7 @@ def data_paths(cfg: MegahetConfig) -> tuple[str, str]:
     d = cfg.data
     if d.data_path:
         return d.data_path, d.tokenizer_model
-    _, model, prefix = gpt_data_paths(Path(d.data_dir).expanduser(), d.vocab_size)
+    _, model, prefix = gpt_data_paths(prepared_data_dir(cfg), d.vocab_size)
     return prefix, str(model)
 
 
@@ -62,7 +67,7 @@ def preflight(cfg: MegahetConfig) -> None:
 
 def prepare(cfg: MegahetConfig) -> None:
     if not cfg.data.data_path:
-        ensure_gpt_data(Path(cfg.data.data_dir).expanduser(), cfg.data.vocab_size)
+        ensure_gpt_data(prepared_data_dir(cfg), cfg.data.vocab_size)
 
 
 def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):

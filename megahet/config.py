@@ -98,8 +98,9 @@ class TrainConfig:
 
 @dataclasses.dataclass(kw_only=True)
 class DataConfig:
-    data_dir: str = "~/.cache/megahet/gpt"
-    """GPT: where the shipped corpus, tokenizer and indexed dataset are prepared when missing."""
+    data_dir: str | None = None
+    """GPT: where the shipped corpus, tokenizer and indexed dataset are prepared when missing;
+    default $MEGAHET_DATA_DIR/gpt (~/.cache/megahet/gpt)."""
     data_path: str | None = None
     """GPT: prefix of an existing indexed dataset (<prefix>.bin/.idx); skips preparation."""
     tokenizer_model: str | None = None

@@ -10,6 +10,8 @@ rank runs the same pure planner.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -27,7 +29,7 @@ from megahet.balance.selection import (
 from megahet.config import MegahetConfig
 from megahet.parallel import ParallelLayout
 from megahet.tensor_parallel.executor import ResizeExecutor
-from megahet.tensor_parallel.plan import BlockKey, RankKey
+from megahet.tensor_parallel.plan import BlockKey, RankKey, ResizePlan, block_name, parse_block_name
 
 
 class ResizeController:
@@ -100,6 +102,27 @@ class ResizeController:
                 dropped = np.zeros(n, bool)
                 dropped[list(plan.dropped(block, *rank))] = True
                 self.drop_age[(block, rank)] = update_drop_age(self.drop_age[(block, rank)], dropped)
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume exactly: the plan, the statistics, the drop ages, the step."""
+        return {
+            "plan": self.executor.plan.to_dict(),
+            "step": self.step,
+            "stats": {block_name(b): dataclasses.asdict(st) for b, st in self.stats.items()},
+            "drop_age": [[block_name(b), list(rank), age.tolist()] for (b, rank), age in self.drop_age.items()],
+            "last_grad": self.executor.last_gradients(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+        self.stats = {
+            parse_block_name(name): GradientStats(**{k: np.asarray(v) for k, v in st.items()})
+            for name, st in state["stats"].items()
+        }
+        for name, rank, age in state["drop_age"]:
+            self.drop_age[(parse_block_name(name), tuple(rank))] = np.asarray(age, dtype=int)
+        self.executor.load_last_gradients(state["last_grad"])
+        self.executor.apply(ResizePlan.from_dict(state["plan"]))
 
     def evaluation(self):
         """Evaluate the whole model: the plan is a training-time device, not part of the model."""

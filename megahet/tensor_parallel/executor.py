@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from megahet.tensor_parallel.blocks import Block, UnitParam, find_blocks
-from megahet.tensor_parallel.plan import BlockKey, ResizePlan
+from megahet.tensor_parallel.plan import BlockKey, ResizePlan, block_name, parse_block_name
 
 Imputation = Literal["zero", "same", "average"]
 
@@ -113,6 +113,20 @@ class ResizeExecutor:
             scale = torch.where(counts > 0, self.dp_size / counts.clamp(min=1).float(), torch.ones(n))
             self._state[key] = _BlockState(computed, counts, scale)
             block.apply(torch.nonzero(computed).flatten())
+
+    def last_gradients(self) -> dict[str, list[torch.Tensor]]:
+        """The 'same' policy's remembered gradients, per block (in unit_params order)."""
+        return {
+            block_name(key): [self._last_grad[up].clone() for up in block.unit_params]
+            for key, block in self.blocks.items()
+            if block.unit_params[0] in self._last_grad
+        }
+
+    def load_last_gradients(self, saved: dict[str, list[torch.Tensor]]) -> None:
+        for name, tensors in saved.items():
+            block = self.blocks[parse_block_name(name)]
+            for up, tensor in zip(block.unit_params, tensors):
+                self._last_grad[up].copy_(tensor)
 
     @contextlib.contextmanager
     def full_model(self):

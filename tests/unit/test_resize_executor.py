@@ -409,3 +409,51 @@ def test_deepspeed_zero_leaves_dropped_units_untouched(world1, tmp_path: Path, z
                 assert not torch.equal(
                     unit(after["module"][name], dim, width, u), unit(before["module"][name], dim, width, u)
                 )
+
+
+def test_controller_state_round_trip_resumes_the_same_plans(world1) -> None:
+    """Model + optimizer + ResizeController restored from their state dicts at step 5 continue with
+    exactly the plans (priority selection, 'same' imputation) and weights the uninterrupted run has."""
+    import copy
+
+    from megahet.config import load_config
+    from megahet.parallel import current_layout
+    from megahet.resizing import ResizeController
+
+    args = (
+        "--resize.gamma 0:0.5 --resize.reselect_interval 2 --resize.imputation same --resize.max_drop_steps 4"
+    )
+    cfg = load_config(args.split())
+    model = gpt()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = type("Engine", (), {"optimizer": optimizer})()
+    ctrl = ResizeController(cfg, model, current_layout(), num_microbatches=2)
+
+    def run(controller, first, last):
+        plans = []
+        for t in range(first, last):
+            controller.before_forward_backward(t)
+            optimizer.zero_grad(set_to_none=True)
+            backward(model, batches(t))
+            controller.before_step(engine)
+            optimizer.step()
+            controller.after_step(engine)
+            plans.append(controller.executor.plan.to_dict())
+        return plans
+
+    run(ctrl, 0, 5)
+    saved = copy.deepcopy((model.state_dict(), optimizer.state_dict(), ctrl.state_dict()))
+    expected_plans = run(ctrl, 5, 11)
+    expected_weights = copy.deepcopy(model.state_dict())
+
+    model.load_state_dict(saved[0])
+    optimizer.load_state_dict(saved[1])
+    restored = ResizeController(cfg, model, current_layout(), num_microbatches=2)  # fresh hooks, fresh state
+    ctrl.executor.apply(ResizePlan())  # the old controller's hooks stay registered: make them inert
+    ctrl.executor._step_grad.clear()
+    restored.load_state_dict(saved[2])
+    assert run(restored, 5, 11) == expected_plans
+    assert len({str(p) for p in expected_plans}) > 1  # the plan really changed over the continuation
+    for name, value in model.state_dict().items():
+        if torch.is_tensor(value):  # megatron-core also keeps non-tensor "_extra_state" entries
+            assert torch.equal(value, expected_weights[name]), name

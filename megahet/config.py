@@ -91,7 +91,12 @@ class TrainConfig:
     save_interval: int = 0
     """0 disables periodic checkpoints."""
     save: str | None = None
-    """Checkpoint directory."""
+    """Checkpoint directory: saves every save_interval steps and at the end (docs/checkpoints.md)."""
+    load: str | None = None
+    """Resume from this checkpoint directory's latest checkpoint; when it is also train.save, a folder
+    without a checkpoint means start fresh."""
+    keep_last: int = 0
+    """Keep only the newest N checkpoints in train.save (older ones are deleted after a save); 0 keeps all."""
     deepspeed_config: str | None = None
     """A DeepSpeed ds_config JSON merged over the one megahet builds."""
 
@@ -132,6 +137,9 @@ class ResizeConfig:
     """Build the models with megahet's resizable TP layers; implied by `gamma`."""
     gamma: str | None = None
     """Static resizing: 'TP:GAMMA' for every DP replica of a TP rank, or 'DP.TP:GAMMA', comma-separated."""
+    migrate: str | None = None
+    """Lossless migration: 'TP:FRACTION[@H1+H2]' moves that fraction of a TP rank's units (every block)
+    to helpers of its TP group (default all others); 'DP.TP:...' for one DP replica. Needs ZeRO-1."""
     block_gamma: str | None = None
     """Per-block overrides for resized ranks: 'mlp:LAYER=GAMMA,attn:LAYER=GAMMA' (global 1-based layers)."""
     imputation: Literal["zero", "same", "average"] = "zero"
@@ -147,7 +155,7 @@ class ResizeConfig:
 
     @property
     def active(self) -> bool:
-        return self.enabled or bool(self.gamma)
+        return self.enabled or bool(self.gamma) or bool(self.migrate)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -399,16 +407,23 @@ def validate(cfg: MegahetConfig, world_size: int) -> int:
         t.min_lr <= t.lr,
         f"train.min_lr {t.min_lr} is above train.lr {t.lr}: the schedule decays from lr to min_lr; lower min_lr",
     )
+    for key in ("save_interval", "keep_last"):
+        _require(getattr(t, key) >= 0, f"train.{key} must be >= 0, got {getattr(t, key)}")
+    _require(
+        not (t.save_interval and not t.save),
+        f"train.save_interval {t.save_interval} needs train.save (the checkpoint directory)",
+    )
     _validate_resize(cfg, dp)
     return dp
 
 
 def _validate_resize(cfg: MegahetConfig, dp: int) -> None:
-    from megahet.balance.resize_planner import parse_block_gammas, parse_rank_gammas
+    from megahet.balance.resize_planner import parse_block_gammas, parse_migrations, parse_rank_gammas
 
     r = cfg.resize
     try:
         parse_rank_gammas(r.gamma, dp, cfg.parallel.tp)
+        parse_migrations(r.migrate, dp, cfg.parallel.tp)
         blocks = parse_block_gammas(r.block_gamma)
     except ValueError as err:
         raise ConfigError(f"resize: {err}") from None
@@ -417,6 +432,11 @@ def _validate_resize(cfg: MegahetConfig, dp: int) -> None:
             1 <= layer <= cfg.model.num_layers,
             f"resize.block_gamma names {kind}:{layer}, but layers are 1..{cfg.model.num_layers}",
         )
+    _require(
+        not (r.migrate and cfg.parallel.zero_stage == 2),
+        "resize.migrate needs ZeRO-1: ZeRO-2 reduces gradients during the backward pass, before helpers "
+        "return the migrated units' gradients; set parallel.zero_stage=1",
+    )
     _require(r.reselect_interval > 0, f"resize.reselect_interval must be positive, got {r.reselect_interval}")
     _require(r.max_drop_steps > 0, f"resize.max_drop_steps must be positive, got {r.max_drop_steps}")
     _require(0.0 <= r.score_decay < 1.0, f"resize.score_decay must be in [0, 1), got {r.score_decay}")

@@ -17,7 +17,13 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megahet.balance.resize_planner import parse_block_gammas, parse_rank_gammas, plan_resize
+from megahet.balance.resize_planner import (
+    parse_block_gammas,
+    parse_migrations,
+    parse_rank_gammas,
+    plan_migration,
+    plan_resize,
+)
 from megahet.balance.selection import (
     GradientStats,
     select_priority,
@@ -38,6 +44,8 @@ class ResizeController:
         self.cfg, self.layout, self.seed = r, layout, cfg.train.seed
         self.gammas = parse_rank_gammas(r.gamma, layout.dp_size, layout.tp_size)
         self.overrides = parse_block_gammas(r.block_gamma)
+        self.moves = parse_migrations(r.migrate, layout.dp_size, layout.tp_size)
+        self._migrated: dict = {}
         self.executor = ResizeExecutor(
             model,
             dp_rank=layout.dp_rank,
@@ -46,6 +54,7 @@ class ResizeController:
             imputation=r.imputation,
             num_microbatches=num_microbatches,
             track_gradients=r.selection == "priority",
+            tp_group=ps.get_tensor_model_parallel_group(),
         )
         self.units = self.executor.block_units
         self.stats: dict[BlockKey, GradientStats] = {}
@@ -72,19 +81,28 @@ class ResizeController:
                 self.scores[(block, tp_rank)] = part.numpy()
 
     def _choose(self, block: BlockKey, rank: RankKey, n_drop: int) -> tuple[int, ...]:
+        """Units to drop among those not migrated away."""
+        moved = {u for units in self._migrated.get(block, {}).get(rank, {}).values() for u in units}
+        available = [u for u in range(self.units[block]) if u not in moved]
+        n_drop = min(n_drop, len(available) - 1)
+        if n_drop <= 0:
+            return ()
         if self.cfg.selection == "random":
             kind = 0 if block[0] == "attn" else 1
-            return select_random(self.units[block], n_drop, (self.seed, self.step, block[1], kind, *rank))
-        return select_priority(
-            self.scores[(block, rank[1])], self.drop_age[(block, rank)], n_drop, self.cfg.max_drop_steps
-        )
+            picks = select_random(len(available), n_drop, (self.seed, self.step, block[1], kind, *rank))
+            return tuple(available[i] for i in picks)
+        age = self.drop_age[(block, rank)].copy()
+        age[list(moved)] = self.cfg.max_drop_steps  # migrated units are not candidates
+        return select_priority(self.scores[(block, rank[1])], age, n_drop, self.cfg.max_drop_steps)
 
     def before_forward_backward(self, step: int) -> None:
         self.step = step
         if step % self.cfg.reselect_interval == 0:
             if self.cfg.selection == "priority":
                 self._gather_scores()
-            self.executor.apply(plan_resize(self.units, self.gammas, self._choose, self.overrides))
+            self._migrated = plan_migration(self.units, self.moves)
+            dropped = plan_resize(self.units, self.gammas, self._choose, self.overrides).blocks
+            self.executor.apply(ResizePlan(dropped, self._migrated))
 
     def before_step(self, engine) -> None:
         self.executor.before_step(engine.optimizer)
@@ -109,7 +127,9 @@ class ResizeController:
             "plan": self.executor.plan.to_dict(),
             "step": self.step,
             "stats": {block_name(b): dataclasses.asdict(st) for b, st in self.stats.items()},
-            "drop_age": [[block_name(b), list(rank), age.tolist()] for (b, rank), age in self.drop_age.items()],
+            "drop_age": [
+                [block_name(b), list(rank), age.tolist()] for (b, rank), age in self.drop_age.items()
+            ],
             "last_grad": self.executor.last_gradients(),
         }
 
@@ -137,4 +157,10 @@ class ResizeController:
         )
         flops = self.executor.executed_flops()
         gflops, self._flops_logged = (flops - self._flops_logged) / 1e9, flops
-        return {"dropped_frac": dropped / max(total, 1), "block_gflops": gflops}
+        exchange = self.executor.exchange
+        return {
+            "dropped_frac": dropped / max(total, 1),
+            "block_gflops": gflops,
+            "migration_mb_step": exchange.bytes_last_step / 2**20,
+            "migration_mb_plan": exchange.bytes_plan_change / 2**20,
+        }

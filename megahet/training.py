@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megahet import checkpoint
 from megahet.config import ConfigError, HelpRequested, MegahetConfig, config_help, load_config, validate
 from megahet.engine import build_engine, fold_deepspeed_json
 from megahet.logging import TrainingLogger
@@ -139,6 +140,8 @@ class Trainer:
         self.schedule = get_forward_backward_func()
         self.scheduled = ScheduledEngine(engine)
         self.iteration = 0
+        self.start_iteration, self.start_sample = 0, 0
+        """Where this run started (a resumed checkpoint's iteration and consumed samples)."""
 
     def _run_schedule(self, data: Iterator[dict], num_microbatches: int, forward_only: bool) -> list[dict]:
         return self.schedule(
@@ -213,7 +216,16 @@ class Trainer:
                 if summary:
                     self.logger.log(self.iteration, summary)
                     history[-1].update(summary)
+            if t.save and (
+                self.iteration == t.train_iters or (t.save_interval and self.iteration % t.save_interval == 0)
+            ):
+                self.save()
         return history
+
+    def save(self) -> None:
+        """Save a checkpoint of this step into train.save (every rank calls it)."""
+        path, seconds = checkpoint.save(self)
+        self.logger.print(f"megahet: saved checkpoint {path} (step {self.iteration}) in {seconds:.2f} s")
 
     def _interval_metrics(self, window: list[dict[str, float]]) -> dict[str, float]:
         compute = torch.tensor([sum(r["compute_s"] for r in window) / len(window)] * 2)
@@ -260,10 +272,13 @@ def _mean_over_dp(values: list[torch.Tensor]) -> float:
 def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
     """Check everything, start the process groups, prepare data, build the task, engine and logger."""
     user_ds = fold_deepspeed_json(cfg)
-    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    dp_size = validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     if cfg.train.precision == "bf16" and cuda_available() and not torch.cuda.is_bf16_supported():
         raise ConfigError("train.precision=bf16 is not supported by this GPU: use train.precision=fp32")
     spec.preflight(cfg)
+    resume = checkpoint.find_resume(cfg)
+    if resume is not None:
+        checkpoint.check_compatible(resume, cfg, dp_size)
     layout = initialize_parallel(
         cfg.parallel.tp, cfg.parallel.pp, cfg.train.seed, cfg.parallel.distributed_timeout_minutes
     )
@@ -284,7 +299,11 @@ def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
 
         num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.dp_size)
         hooks.append(ResizeController(cfg, task.model, layout, num_microbatches))
-    return Trainer(cfg, task, engine, layout, logger, hooks)
+    trainer = Trainer(cfg, task, engine, layout, logger, hooks)
+    if resume is not None:
+        seconds = checkpoint.load(trainer, resume)
+        logger.print(f"megahet: resumed from {resume.path} (step {trainer.iteration}) in {seconds:.2f} s")
+    return trainer
 
 
 def pretrain(cfg: MegahetConfig, spec: TaskSpec) -> list[dict[str, Any]]:

@@ -87,3 +87,53 @@ def plan_resize(
                 entry[rank] = tuple(choose(block, rank, n_drop))
         blocks[block] = entry
     return ResizePlan(blocks)
+
+
+def parse_migrations(
+    text: str | None, dp_size: int, tp_size: int
+) -> dict[RankKey, tuple[float, tuple[int, ...]]]:
+    """'TP:FRACTION[@H+H...]' or 'DP.TP:FRACTION[@...]': migrate that fraction of an owner's units to
+    the listed helpers of its TP group (default: all the others), comma-separated."""
+    moves: dict[RankKey, tuple[float, tuple[int, ...]]] = {}
+    for item in filter(None, (text or "").replace(" ", "").split(",")):
+        spec, _, helper_text = item.partition("@")
+        try:
+            gammas = parse_rank_gammas(spec, dp_size, tp_size)
+            helpers = tuple(int(h) for h in helper_text.split("+")) if helper_text else None
+        except ValueError:
+            raise ValueError(f"bad migrate entry {item!r}: use TP:FRACTION or TP:FRACTION@H1+H2") from None
+        for (dp, tp), fraction in gammas.items():
+            chosen = helpers if helpers is not None else tuple(h for h in range(tp_size) if h != tp)
+            if not chosen or tp in chosen or any(not 0 <= h < tp_size for h in chosen):
+                raise ValueError(
+                    f"migrate entry {item!r}: helpers must be other TP ranks of 0..{tp_size - 1}"
+                )
+            moves[(dp, tp)] = (fraction, chosen)
+    return moves
+
+
+def plan_migration(
+    block_units: Mapping[BlockKey, int], moves: Mapping[RankKey, tuple[float, tuple[int, ...]]]
+) -> dict[BlockKey, dict[RankKey, dict[int, tuple[int, ...]]]]:
+    """Each owner's highest floor(fraction * units) units, split evenly (in order) over its helpers.
+
+    Which units move does not matter for the result (migration is lossless); contiguous chunks keep
+    the messages simple.
+    """
+    migrated = {}
+    for block, num_units in sorted(block_units.items()):
+        entry = {}
+        for rank, (fraction, helpers) in sorted(moves.items()):
+            n = units_to_drop(num_units, fraction)
+            moving = list(range(num_units - n, num_units))
+            share, extra = divmod(n, len(helpers))
+            split, start = {}, 0
+            for i, helper in enumerate(helpers):
+                size = share + (1 if i < extra else 0)
+                if size:
+                    split[helper] = tuple(moving[start : start + size])
+                start += size
+            if split:
+                entry[rank] = split
+        migrated[block] = entry
+    return migrated

@@ -65,6 +65,18 @@ class Block:
         self.column.set_kept(kept)
         self.row.set_kept(kept)
 
+    def set_guests(self, tensors: list[torch.Tensor] | None, num_units: int = 0) -> None:
+        """Compute `num_units` migrated-in units from `tensors` (laid out like `unit_params`), or none."""
+        column_w, column_b, row_w = None, None, None
+        if tensors is not None:
+            column_w, row_w = tensors[0], tensors[-1]
+            column_b = tensors[1] if len(tensors) == 3 else None
+        if self.attention is not None:
+            self.attention.set_guests(num_units if tensors is not None else 0, column_w, column_b, row_w)
+            return
+        self.column.set_guests(column_w, column_b)
+        self.row.set_guests(row_w)
+
     @property
     def executed_flops(self) -> int:
         core = self.attention.executed_flops if self.attention is not None else 0

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from megahet.tensor_parallel.blocks import Block, UnitParam, find_blocks
+from megahet.tensor_parallel.migration import MigrationExchange
 from megahet.tensor_parallel.plan import BlockKey, ResizePlan, block_name, parse_block_name
 
 Imputation = Literal["zero", "same", "average"]
@@ -59,11 +60,13 @@ class ResizeExecutor:
         imputation: Imputation = "zero",
         num_microbatches: int = 1,
         track_gradients: bool = False,
+        tp_group=None,
     ):
         if imputation not in ("zero", "same", "average"):
             raise ValueError(f"imputation must be zero, same or average, got {imputation!r}")
         self.blocks: dict[BlockKey, Block] = find_blocks(model)
         self.dp_rank, self.tp_rank, self.dp_size = dp_rank, tp_rank, dp_size
+        self.exchange = MigrationExchange(self.blocks, dp_rank=dp_rank, tp_rank=tp_rank, tp_group=tp_group)
         self.imputation, self.num_microbatches = imputation, num_microbatches
         self.plan = ResizePlan()
         self._state: dict[BlockKey, _BlockState | None] = dict.fromkeys(self.blocks)
@@ -104,15 +107,27 @@ class ResizeExecutor:
                 raise ValueError(
                     f"plan drops units {dropped.tolist()} of block {key}, which has {n}: keep at least one"
                 )
-            computed = torch.ones(n, dtype=torch.bool)
+            computed = torch.ones(n, dtype=torch.bool)  # executed here: neither dropped nor migrated away
             computed[dropped] = False
+            computed[list(plan.migrated_away(key, self.dp_rank, self.tp_rank))] = False
+            if not bool(computed.any()):
+                raise ValueError(
+                    f"plan leaves rank (dp {self.dp_rank}, tp {self.tp_rank}) no unit of block {key}"
+                )
             if bool(computed.all()) and bool((counts == self.dp_size).all()):
                 self._state[key] = None
-                block.apply(None)
-                continue
-            scale = torch.where(counts > 0, self.dp_size / counts.clamp(min=1).float(), torch.ones(n))
-            self._state[key] = _BlockState(computed, counts, scale)
-            block.apply(torch.nonzero(computed).flatten())
+            else:
+                scale = torch.where(counts > 0, self.dp_size / counts.clamp(min=1).float(), torch.ones(n))
+                self._state[key] = _BlockState(computed, counts, scale)
+        self._install(True)
+        self.exchange.apply(plan)
+
+    def _install(self, enabled: bool) -> None:
+        """Set every block's executed units (and guests) from the current state, or the whole model."""
+        for key, block in self.blocks.items():
+            state = self._state[key] if enabled else None
+            block.apply(None if state is None else torch.nonzero(state.computed).flatten())
+        self.exchange.install(enabled)
 
     def last_gradients(self) -> dict[str, list[torch.Tensor]]:
         """The 'same' policy's remembered gradients, per block (in unit_params order)."""
@@ -131,12 +146,11 @@ class ResizeExecutor:
     @contextlib.contextmanager
     def full_model(self):
         """Run every unit (e.g. for evaluation), then return to the current plan."""
-        for block in self.blocks.values():
-            block.apply(None)
+        self._install(False)
         try:
             yield
         finally:
-            self.apply(self.plan)
+            self._install(True)
 
     def _make_hook(self, key: BlockKey, up: UnitParam):
         def hook(grad: torch.Tensor) -> torch.Tensor:
@@ -160,7 +174,9 @@ class ResizeExecutor:
         return hook
 
     def before_step(self, optimizer=None) -> None:
-        """Under the zero policy, remember every frozen unit's weights and optimizer state."""
+        """Bring migrated units' gradients home; under the zero policy, remember every frozen unit."""
+        if self.exchange.active:
+            self.exchange.pull_grads()
         self._frozen = []
         if self.imputation != "zero":
             return
@@ -178,6 +194,8 @@ class ResizeExecutor:
         for frozen in self._frozen:
             frozen.restore(optimizer)
         self._frozen = []
+        if self.exchange.active:
+            self.exchange.bytes_last_step += self.exchange.push_weights()
         for key, block in self.blocks.items():
             keep = torch.from_numpy(self.computed_units(key))
             if self.track_gradients:

@@ -48,7 +48,15 @@ class ResizableColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.kept: torch.Tensor | None = None
+        self.guest_weight: torch.Tensor | None = None  # (guest rows, in): units migrated here
+        self.guest_bias: torch.Tensor | None = None
         self.executed_flops = 0
+
+    def set_guests(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None) -> None:
+        """Rows of other ranks' units to compute after this rank's own (migration), or None."""
+        if weight is not None:
+            _check_resizable(self)
+        self.guest_weight, self.guest_bias = weight, bias
 
     def set_kept(self, rows: torch.Tensor | None) -> None:
         """Local output rows to compute (sorted int64), or None for all."""
@@ -59,13 +67,18 @@ class ResizableColumnParallelLinear(ColumnParallelLinear):
         self.kept = rows
 
     def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output=None):
-        if self.kept is None:
+        if self.kept is None and self.guest_weight is None:
             self.executed_flops += 2 * _tokens(input_) * self.weight.shape[0] * self.weight.shape[1]
             return super().forward(input_, weight, runtime_gather_output)
         x = copy_to_tensor_model_parallel_region(input_)  # (s, b, h); all-reduces dgrad over TP
-        w = self.weight.index_select(0, self.kept)  # (kept, h)
-        bias = self.bias.index_select(0, self.kept) if self.bias is not None else None
-        out = F.linear(x, w, None if self.skip_bias_add else bias)  # (s, b, kept)
+        w = self.weight if self.kept is None else self.weight.index_select(0, self.kept)  # (kept, h)
+        bias = self.bias
+        if bias is not None and self.kept is not None:
+            bias = bias.index_select(0, self.kept)
+        if self.guest_weight is not None:  # guests' input is the replicated x this rank already holds
+            w = torch.cat([w, self.guest_weight])  # (kept + guest rows, h)
+            bias = torch.cat([bias, self.guest_bias]) if bias is not None else None
+        out = F.linear(x, w, None if self.skip_bias_add else bias)  # (s, b, kept + guests)
         self.executed_flops += 2 * _tokens(input_) * w.shape[0] * w.shape[1]
         return out, (bias if self.skip_bias_add else None)
 
@@ -76,7 +89,14 @@ class ResizableRowParallelLinear(RowParallelLinear):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.kept: torch.Tensor | None = None
+        self.guest_weight: torch.Tensor | None = None  # (out, guest cols): units migrated here
         self.executed_flops = 0
+
+    def set_guests(self, weight: torch.Tensor | None) -> None:
+        """Columns of other ranks' units, consumed after this rank's own (migration), or None."""
+        if weight is not None:
+            _check_resizable(self)
+        self.guest_weight = weight
 
     def set_kept(self, cols: torch.Tensor | None) -> None:
         """Local input columns to consume (sorted int64), or None for all."""
@@ -87,11 +107,15 @@ class ResizableRowParallelLinear(RowParallelLinear):
         self.kept = cols
 
     def forward(self, input_: torch.Tensor):
-        if self.kept is None:
+        if self.kept is None and self.guest_weight is None:
             self.executed_flops += 2 * _tokens(input_) * self.weight.shape[0] * self.weight.shape[1]
             return super().forward(input_)
-        w = self.weight.index_select(1, self.kept)  # (h, kept)
-        partial = F.linear(input_, w)  # (s, b, kept) -> (s, b, h): this rank's partial sum
+        w = self.weight if self.kept is None else self.weight.index_select(1, self.kept)  # (h, kept)
+        if self.guest_weight is not None:
+            w = torch.cat([w, self.guest_weight], dim=1)  # (h, kept + guest cols)
+        # (s, b, kept + guests) -> (s, b, h): this rank's partial sum, guests' share included, so the
+        # all-reduce it already does combines them (migration-aware all-reduce).
+        partial = F.linear(input_, w)
         self.executed_flops += 2 * _tokens(input_) * w.shape[0] * w.shape[1]
         out = reduce_from_tensor_model_parallel_region(partial)  # full-width all-reduce over TP
         if self.skip_bias_add:
@@ -109,6 +133,7 @@ class ResizableSelfAttention(SelfAttention):
                 "resizable attention needs multi-head attention (num_query_groups == heads)"
             )
         self.kept_heads: torch.Tensor | None = None
+        self.guest_heads = 0  # heads of other ranks computed here (migration)
         self.executed_flops = 0
 
     @property
@@ -153,11 +178,18 @@ class ResizableSelfAttention(SelfAttention):
                 core.hidden_size_per_partition,
             ) = saved
 
+    def set_guests(self, num_heads: int, qkv=None, qkv_bias=None, proj=None) -> None:
+        """Run `num_heads` other ranks' heads after this rank's own, from the given weights."""
+        self.guest_heads = num_heads
+        self.linear_qkv.set_guests(qkv, qkv_bias)
+        self.linear_proj.set_guests(proj)
+
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
-        heads = self.num_local_heads if self.kept_heads is None else len(self.kept_heads)
+        own = self.num_local_heads if self.kept_heads is None else len(self.kept_heads)
+        heads = own + self.guest_heads
         s, b = hidden_states.shape[0], hidden_states.shape[1]
         self.executed_flops += 4 * b * s * s * heads * self.hidden_size_per_attention_head  # QK^T and AV
-        if self.kept_heads is None:
+        if heads == self.num_local_heads and self.kept_heads is None:
             return super().forward(hidden_states, *args, **kwargs)
         with self._running_heads(heads):
             return super().forward(hidden_states, *args, **kwargs)

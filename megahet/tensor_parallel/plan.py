@@ -38,12 +38,29 @@ def parse_block_name(name: str) -> BlockKey:
 
 @dataclasses.dataclass(frozen=True)
 class ResizePlan:
-    """{block: {(dp_rank, tp_rank): sorted dropped unit indexes}}; absent entries drop nothing."""
+    """Per block: {(dp_rank, tp_rank): dropped units} and {(dp_rank, owner tp): {helper tp: migrated
+    units}}; absent entries drop / migrate nothing. A unit is either kept, dropped, or migrated."""
 
     blocks: Mapping[BlockKey, Mapping[RankKey, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
+    migrated: Mapping[BlockKey, Mapping[RankKey, Mapping[int, tuple[int, ...]]]] = dataclasses.field(
+        default_factory=dict
+    )
 
     def dropped(self, block: BlockKey, dp_rank: int, tp_rank: int) -> tuple[int, ...]:
         return tuple(self.blocks.get(block, {}).get((dp_rank, tp_rank), ()))
+
+    def migrations(self, block: BlockKey, dp_rank: int) -> dict[tuple[int, int], tuple[int, ...]]:
+        """{(owner tp, helper tp): units} of one DP replica's TP group, in a fixed order."""
+        out = {}
+        for (dp, owner), helpers in sorted(self.migrated.get(block, {}).items()):
+            if dp == dp_rank:
+                out.update({(owner, h): tuple(units) for h, units in sorted(helpers.items()) if units})
+        return out
+
+    def migrated_away(self, block: BlockKey, dp_rank: int, tp_rank: int) -> tuple[int, ...]:
+        """Units this rank owns but a helper computes."""
+        helpers = self.migrated.get(block, {}).get((dp_rank, tp_rank), {})
+        return tuple(sorted(u for units in helpers.values() for u in units))
 
     def compute_counts(self, block: BlockKey, tp_rank: int, dp_size: int, num_units: int) -> list[int]:
         """For each unit of this TP rank's shard: how many DP replicas compute it (0 .. dp_size)."""
@@ -55,15 +72,29 @@ class ResizePlan:
 
     @property
     def is_empty(self) -> bool:
-        return not any(units for ranks in self.blocks.values() for units in ranks.values())
+        dropped = any(units for ranks in self.blocks.values() for units in ranks.values())
+        return not dropped and not any(
+            self.migrations(b, dp) for b, r in self.migrated.items() for dp, _ in r
+        )
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "blocks": {
                 block_name(block): {f"{dp},{tp}": list(units) for (dp, tp), units in ranks.items() if units}
                 for block, ranks in sorted(self.blocks.items())
             }
         }
+        migrated = {
+            block_name(block): {
+                f"{dp},{tp}": {str(h): list(u) for h, u in sorted(helpers.items()) if u}
+                for (dp, tp), helpers in sorted(owners.items())
+                if any(helpers.values())
+            }
+            for block, owners in sorted(self.migrated.items())
+        }
+        if any(migrated.values()):
+            out["migrated"] = {k: v for k, v in migrated.items() if v}
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> ResizePlan:
@@ -79,7 +110,25 @@ class ResizePlan:
                     )
                 entry[(int(dp), int(tp))] = tuple(indexes)
             blocks[parse_block_name(name)] = entry
-        return cls(blocks)
+        migrated = {}
+        for name, owners in data.get("migrated", {}).items():
+            block = parse_block_name(name)
+            entry = {}
+            for key, helpers in owners.items():
+                dp, _, tp = key.partition(",")
+                entry[(int(dp), int(tp))] = {
+                    int(h): tuple(sorted(int(u) for u in units)) for h, units in helpers.items()
+                }
+                moved = [u for units in entry[(int(dp), int(tp))].values() for u in units]
+                dropped = set(blocks.get(block, {}).get((int(dp), int(tp)), ()))
+                if len(set(moved)) != len(moved) or (moved and min(moved) < 0) or dropped & set(moved):
+                    raise ValueError(
+                        f"plan migrates units of {name} [{key}] twice, negative, or also dropped: {helpers}"
+                    )
+                if int(tp) in entry[(int(dp), int(tp))]:
+                    raise ValueError(f"plan entry {name} [{key}] migrates units to their own owner")
+            migrated[block] = entry
+        return cls(blocks, migrated)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)

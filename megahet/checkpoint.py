@@ -1,0 +1,288 @@
+"""Save and resume training through DeepSpeed checkpoints, atomically (see docs/checkpoints.md).
+
+    --train.save DIR --train.save_interval N   # every N steps and at the end
+    --train.load DIR                           # resume from DIR's latest checkpoint
+
+A checkpoint is the folder DIR/iter_NNNNNNN: DeepSpeed's files (model states per TP x PP rank with
+megahet's client state, ZeRO optimizer shards per rank, LR schedule), one megahet_rank_RRRRR.pt per
+rank (python / numpy / torch / CUDA / megatron-core tracker RNG states, and the step hooks' state,
+e.g. the ResizeController), and megahet.json (iteration, consumed samples, layout, every file's size).
+Every rank writes into DIR/tmp_iter_NNNNNNN; after a barrier rank 0 writes megahet.json, renames the
+folder into place, then points DIR/latest at it (tmp file + os.replace), and only then applies
+train.keep_last. A crash at any moment leaves the previous checkpoint loadable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import pickle
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import tensor_parallel
+
+from megahet.config import ConfigError, MegahetConfig
+
+LATEST, META, TMP_PREFIX = "latest", "megahet.json", "tmp_"
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass
+class Resume:
+    """A complete checkpoint to resume from."""
+
+    path: Path
+    """The checkpoint folder (DIR/<tag>)."""
+    meta: dict
+
+    @property
+    def iteration(self) -> int:
+        return self.meta["iteration"]
+
+    @property
+    def consumed_samples(self) -> int:
+        return self.meta["consumed_samples"]
+
+
+def tag_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def rank_file(rank: int) -> str:
+    return f"megahet_rank_{rank:05d}.pt"
+
+
+def find_resume(cfg: MegahetConfig) -> Resume | None:
+    """The checkpoint train.load names (its `latest`), checked for completeness; None to start fresh.
+
+    A missing folder, or one with no checkpoint, is a ConfigError, except when train.load is also
+    train.save: then it means "start fresh" (one command line for the first run and every restart).
+    """
+    load = cfg.train.load
+    if not load:
+        return None
+    root = Path(load).expanduser()
+    fresh_ok = cfg.train.save is not None and Path(cfg.train.save).expanduser().resolve() == root.resolve()
+    latest = root / LATEST
+    if not latest.is_file():
+        if fresh_ok:
+            return None
+        what = "not found" if not root.is_dir() else f"has no checkpoint ({latest} missing)"
+        raise ConfigError(
+            f"train.load: checkpoint directory {load} {what}: point it at a folder written by --train.save "
+            f"(or set train.save to the same folder to start fresh when it has none)"
+        )
+    path = root / latest.read_text().strip()
+    meta_file = path / META
+    if not meta_file.is_file():
+        raise ConfigError(
+            f"train.load: checkpoint {path} (named by {latest}) is incomplete: {meta_file} missing"
+        )
+    try:
+        meta = json.loads(meta_file.read_text())
+        files = meta["files"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise ConfigError(
+            f"train.load: checkpoint file {meta_file} is corrupt (not megahet's JSON)"
+        ) from None
+    for name, size in files.items():
+        file = path / name
+        if not file.is_file():
+            raise ConfigError(f"train.load: checkpoint file {file} is missing")
+        if file.stat().st_size != size:
+            raise ConfigError(
+                f"train.load: checkpoint file {file} is truncated or corrupt ({file.stat().st_size} bytes, "
+                f"{size} were saved): resume from another checkpoint"
+            )
+    return Resume(path, meta)
+
+
+def layout_of(cfg: MegahetConfig, dp: int) -> dict[str, int]:
+    p = cfg.parallel
+    return {"tp": p.tp, "pp": p.pp, "dp": dp, "zero_stage": p.zero_stage}
+
+
+def check_compatible(resume: Resume, cfg: MegahetConfig, dp: int) -> None:
+    """The checkpoint's sharding must be this run's: DeepSpeed's files are per TP x PP x DP rank."""
+    saved, now = resume.meta["layout"], layout_of(cfg, dp)
+    if saved != now:
+        fmt = "TP {tp} x PP {pp} x DP {dp}, ZeRO-{zero_stage}".format
+        raise ConfigError(
+            f"train.load: checkpoint {resume.path} was saved with {fmt(**saved)}, this run is {fmt(**now)}: "
+            f"resume with the same parallel layout"
+        )
+
+
+def start_sample(cfg: MegahetConfig) -> int:
+    """Where the training data stream resumes: the samples consumed by the loaded checkpoint (or 0)."""
+    resume = find_resume(cfg)
+    return resume.consumed_samples if resume is not None else 0
+
+
+# --- per-rank state: RNG streams and step hooks -----------------------------------------------------
+
+
+def rng_states() -> dict:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def set_rng_states(states: dict) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
+
+
+def _hook_settings(hook) -> dict | None:
+    """The settings a hook's state belongs to (its `cfg` dataclass, e.g. ResizeConfig), if any."""
+    cfg = getattr(hook, "cfg", None)
+    return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else None
+
+
+def _stateful_hooks(hooks: list) -> dict[str, object]:
+    return {type(h).__name__: h for h in hooks if hasattr(h, "state_dict") and hasattr(h, "load_state_dict")}
+
+
+# What torch.load raises for a truncated or corrupt file (zip reader, pickle, short reads).
+_BAD_FILE = (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError)
+
+
+def _unreadable(path, err: Exception) -> ConfigError:
+    lines = str(err).strip().splitlines()
+    detail = lines[0][:160] if lines else type(err).__name__
+    return ConfigError(
+        f"train.load: checkpoint file {path} cannot be read ({detail}): it is truncated or corrupt"
+    )
+
+
+def _load_file(path: Path):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)  # our own file: RNG tuples, numpy
+    except _BAD_FILE as err:
+        raise _unreadable(path, err) from None
+
+
+@contextlib.contextmanager
+def _naming_bad_files(engine):
+    """Make DeepSpeed's reads of a bad checkpoint file a ConfigError naming the file."""
+    ckpt_engine = engine.checkpoint_engine
+    original = ckpt_engine.load
+
+    def load(path, map_location=None, *args, **kwargs):
+        try:
+            return original(path, map_location, *args, **kwargs)
+        except _BAD_FILE as err:
+            raise _unreadable(path, err) from None
+
+    ckpt_engine.load = load
+    try:
+        yield
+    finally:
+        ckpt_engine.load = original
+
+
+# --- save and load ----------------------------------------------------------------------------------
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints in root, oldest first (by iteration, then by save order)."""
+    found = [p for p in root.glob("iter_*") if (p / META).is_file()]
+    return sorted(found, key=lambda p: (json.loads((p / META).read_text())["iteration"], p.stat().st_mtime))
+
+
+def save(trainer) -> tuple[Path, float]:
+    """Save the trainer's state into train.save (all ranks call it); returns (folder, seconds)."""
+    cfg, engine, layout = trainer.cfg, trainer.engine, trainer.layout
+    t0 = time.perf_counter()
+    root = Path(cfg.train.save).expanduser()
+    tmp_tag = TMP_PREFIX + tag_name(trainer.iteration)
+    tmp = root / tmp_tag
+    if layout.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(TMP_PREFIX + "*"):  # a crash mid-save left it: never complete, never loaded
+            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+    dist.barrier()
+    consumed = (
+        trainer.start_sample + (trainer.iteration - trainer.start_iteration) * cfg.train.global_batch_size
+    )
+    client_state = {"megahet": {"iteration": trainer.iteration, "consumed_samples": consumed}}
+    engine.save_checkpoint(str(root), tag=tmp_tag, client_state=client_state, save_latest=False)
+    hooks = {
+        name: {"settings": _hook_settings(h), "state": h.state_dict()}
+        for name, h in _stateful_hooks(trainer.step_hooks).items()
+    }
+    torch.save({"rng": rng_states(), "hooks": hooks}, tmp / rank_file(layout.rank))
+    dist.barrier()
+    final = root / tag_name(trainer.iteration)
+    if layout.rank == 0:
+        suffix = 1
+        while final.exists():  # the same step saved again (a resumed run): keep both
+            suffix += 1
+            final = root / f"{tag_name(trainer.iteration)}_{suffix}"
+        meta = {
+            "format": FORMAT_VERSION,
+            "iteration": trainer.iteration,
+            "consumed_samples": consumed,
+            "layout": layout_of(cfg, layout.dp_size),
+            "world_size": layout.world_size,
+            "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()},
+        }
+        _write_atomic(tmp / META, json.dumps(meta, indent=1))
+        os.rename(tmp, final)
+        _write_atomic(root / LATEST, final.name)
+        keep = cfg.train.keep_last
+        if keep > 0:
+            for old in _checkpoints(root)[:-keep]:
+                if old != final:
+                    shutil.rmtree(old)
+    dist.barrier()
+    return final, time.perf_counter() - t0
+
+
+def load(trainer, resume: Resume) -> float:
+    """Restore model, optimizer shards, LR schedule, RNG streams, data position and hook state; seconds."""
+    t0 = time.perf_counter()
+    engine = trainer.engine
+    with _naming_bad_files(engine):
+        load_path, client_state = engine.load_checkpoint(str(resume.path.parent), tag=resume.path.name)
+    if load_path is None:
+        raise ConfigError(f"train.load: DeepSpeed found no model states in checkpoint {resume.path}")
+    state = client_state["megahet"]
+    trainer.iteration = trainer.start_iteration = state["iteration"]
+    trainer.start_sample = state["consumed_samples"]
+    mine = _load_file(resume.path / rank_file(trainer.layout.rank))
+    set_rng_states(mine["rng"])
+    for name, hook in _stateful_hooks(trainer.step_hooks).items():
+        saved = mine["hooks"].get(name)
+        if saved is None or saved["settings"] != _hook_settings(hook):
+            trainer.logger.print(
+                f"megahet: checkpoint has no {name} state for these settings: it starts fresh"
+            )
+            continue
+        hook.load_state_dict(saved["state"])
+    return time.perf_counter() - t0

@@ -59,6 +59,7 @@ class MigrationExchange:
         """Install the plan's migrations: guest copies on helpers, filled with the owners' weights."""
         self.moves = {key: plan.migrations(key, self.dp_rank) for key in self.blocks}
         self.guests = {}
+        self.bytes_last_step = 0  # a plan without migrations moves nothing (no stale count)
         for key, block in self.blocks.items():
             hosted = sum(len(u) for (_, helper), u in self.moves[key].items() if helper == self.tp_rank)
             if not hosted:

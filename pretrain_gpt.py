@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from megahet.checkpoint import start_sample
 from megahet.config import ConfigError, MegahetConfig
 from megahet.data.gpt_data import build_gpt_datasets
 from megahet.data.prepare import ensure_gpt_data, gpt_data_paths
@@ -111,7 +112,9 @@ def build(cfg: MegahetConfig, layout: ParallelLayout) -> Task:
     return Task(
         model=build_gpt(cfg, tokenizer.vocab_size),
         seq_length=cfg.model.seq_length,
-        train_data=micro_batches(train_set, global_batch_size=t.global_batch_size, **sampling),
+        train_data=micro_batches(
+            train_set, global_batch_size=t.global_batch_size, start_sample=start_sample(cfg), **sampling
+        ),
         eval_data=lambda: micro_batches(
             valid_set, global_batch_size=t.micro_batch_size * layout.dp_size, **sampling
         ),

@@ -15,6 +15,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from megahet.checkpoint import start_sample
 from megahet.config import ConfigError, MegahetConfig
 from megahet.data.mnist import load_mnist
 from megahet.data.sampling import micro_batches
@@ -78,7 +79,11 @@ def build(cfg: MegahetConfig, layout: ParallelLayout) -> Task:
         model=model,
         seq_length=model.seq_length,
         train_data=micro_batches(
-            train_set, global_batch_size=t.global_batch_size, shuffle_seed=t.seed, **sampling
+            train_set,
+            global_batch_size=t.global_batch_size,
+            shuffle_seed=t.seed,
+            start_sample=start_sample(cfg),
+            **sampling,
         ),
         eval_data=lambda: micro_batches(
             valid_set, global_batch_size=t.micro_batch_size * layout.dp_size, **sampling

@@ -1,0 +1,297 @@
+"""Tests of megahet.checkpoint on one rank: finding the checkpoint to resume (one-line errors for a
+missing folder, no checkpoint, an incomplete or truncated one, another parallel layout), a real
+DeepSpeed save / load round trip on a toy model (weights, AdamW moments, LR schedule, RNG streams,
+data position, step-hook state) that continues exactly like the uninterrupted run, atomic saves
+(a crash mid-save leaves the previous checkpoint loadable), keep_last retention, re-saving a step,
+and a corrupt DeepSpeed file named in the error.
+
+Run: ``python -m pytest tests/unit/test_checkpoint.py -q`` (about 10 s, mostly imports).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megahet import checkpoint
+from megahet.config import ConfigError, MegahetConfig, apply_overrides
+from megahet.engine import build_engine
+
+
+class _Toy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.proj(x))).pow(2).mean()
+
+
+@dataclasses.dataclass
+class _HookSettings:
+    mode: str = "a"
+
+
+class _CountingHook:
+    """A stateful step hook (as the ResizeController): counts steps; state must survive a resume."""
+
+    def __init__(self, mode: str = "a"):
+        self.cfg, self.count = _HookSettings(mode), 0
+
+    def before_forward_backward(self, step):
+        pass
+
+    def before_step(self, engine):
+        pass
+
+    def after_step(self, engine):
+        self.count += 1
+
+    def state_dict(self):
+        return {"count": self.count}
+
+    def load_state_dict(self, state):
+        self.count = state["count"]
+
+
+def _cfg(tmp: Path, **overrides: object) -> MegahetConfig:
+    base = {
+        "train.global_batch_size": 4,
+        "train.micro_batch_size": 4,
+        "train.lr": 1e-2,
+        "train.lr_warmup_iters": 3,
+        "train.train_iters": 10,
+        "train.save": str(tmp / "ck"),
+    }
+    return apply_overrides(MegahetConfig(), {**base, **overrides})
+
+
+def _trainer(cfg: MegahetConfig, layout, hook_mode: str = "a"):
+    torch.manual_seed(0)
+    model = _Toy()
+    engine = build_engine(cfg, model, 1, {})
+    messages: list[str] = []
+    logger = types.SimpleNamespace(print=messages.append)
+    return types.SimpleNamespace(
+        cfg=cfg,
+        engine=engine,
+        layout=layout,
+        iteration=0,
+        start_iteration=0,
+        start_sample=0,
+        step_hooks=[_CountingHook(hook_mode)],
+        logger=logger,
+        messages=messages,
+    )
+
+
+def _steps(trainer, n: int) -> list[float]:
+    """n training steps whose data and noise come from the RNG streams (so those must be restored)."""
+    losses = []
+    for _ in range(n):
+        x = torch.randn(4, 8) + float(np.random.rand()) + random.random()
+        trainer.engine.zero_grad()
+        loss = trainer.engine(x)
+        loss.backward()
+        trainer.engine.step()
+        trainer.iteration += 1
+        for hook in trainer.step_hooks:
+            hook.after_step(trainer.engine)
+        losses.append(loss.item())
+    return losses
+
+
+def _params(trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.engine.module.state_dict().items()}
+
+
+# --- find_resume / check_compatible (no process group) ---------------------------------------------
+
+
+def _one_line(err: pytest.ExceptionInfo, *needles: str) -> None:
+    message = str(err.value)
+    assert "\n" not in message, message
+    for needle in needles:
+        assert needle in message, (needle, message)
+
+
+def test_no_load_means_fresh(tmp_path: Path) -> None:
+    assert checkpoint.find_resume(_cfg(tmp_path)) is None
+    assert checkpoint.start_sample(_cfg(tmp_path)) == 0
+
+
+def test_missing_load_dir_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        checkpoint.find_resume(_cfg(tmp_path, **{"train.load": str(tmp_path / "nope")}))
+    _one_line(err, "train.load", "nope", "not found")
+
+
+def test_dir_without_checkpoint_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError) as err:
+        checkpoint.find_resume(_cfg(tmp_path, **{"train.load": str(tmp_path / "empty")}))
+    _one_line(err, "empty", "has no checkpoint", "latest")
+
+
+def test_load_equal_to_save_starts_fresh_when_empty(tmp_path: Path) -> None:
+    """One command line for the first run and every restart: --train.save D --train.load D."""
+    cfg = _cfg(tmp_path, **{"train.load": str(tmp_path / "ck")})
+    assert checkpoint.find_resume(cfg) is None  # the folder does not even exist yet
+    (tmp_path / "ck").mkdir()
+    assert checkpoint.find_resume(cfg) is None
+
+
+def _fake_checkpoint(root: Path, iteration: int = 4, files: dict[str, bytes] | None = None) -> Path:
+    files = files if files is not None else {"a.pt": b"x" * 100}
+    path = root / checkpoint.tag_name(iteration)
+    path.mkdir(parents=True)
+    for name, data in files.items():
+        (path / name).write_bytes(data)
+    meta = {
+        "iteration": iteration,
+        "consumed_samples": iteration * 4,
+        "layout": {"tp": 1, "pp": 1, "dp": 1, "zero_stage": 1},
+        "files": {name: len(data) for name, data in files.items()},
+    }
+    (path / checkpoint.META).write_text(json.dumps(meta))
+    (root / checkpoint.LATEST).write_text(path.name)
+    return path
+
+
+def test_truncated_file_is_named(tmp_path: Path) -> None:
+    path = _fake_checkpoint(tmp_path / "ck")
+    cfg = _cfg(tmp_path, **{"train.load": str(tmp_path / "ck")})
+    assert checkpoint.find_resume(cfg).iteration == 4
+    assert checkpoint.start_sample(cfg) == 16
+    (path / "a.pt").write_bytes(b"x" * 60)
+    with pytest.raises(ConfigError) as err:
+        checkpoint.find_resume(cfg)
+    _one_line(err, str(path / "a.pt"), "truncated")
+    (path / "a.pt").unlink()
+    with pytest.raises(ConfigError) as err:
+        checkpoint.find_resume(cfg)
+    _one_line(err, str(path / "a.pt"), "missing")
+
+
+def test_incomplete_or_corrupt_metadata_is_named(tmp_path: Path) -> None:
+    path = _fake_checkpoint(tmp_path / "ck")
+    cfg = _cfg(tmp_path, **{"train.load": str(tmp_path / "ck")})
+    (path / checkpoint.META).write_text('{"iteration": 4, "fi')
+    with pytest.raises(ConfigError) as err:
+        checkpoint.find_resume(cfg)
+    _one_line(err, str(path / checkpoint.META), "corrupt")
+    (path / checkpoint.META).unlink()
+    with pytest.raises(ConfigError) as err:
+        checkpoint.find_resume(cfg)
+    _one_line(err, str(path), "incomplete")
+
+
+def test_other_parallel_layout_is_an_error(tmp_path: Path) -> None:
+    _fake_checkpoint(tmp_path / "ck")
+    cfg = _cfg(tmp_path, **{"train.load": str(tmp_path / "ck"), "parallel.tp": 2})
+    resume = checkpoint.find_resume(cfg)
+    checkpoint.check_compatible(resume, _cfg(tmp_path), dp=1)
+    with pytest.raises(ConfigError) as err:
+        checkpoint.check_compatible(resume, cfg, dp=1)
+    _one_line(err, "TP 1 x PP 1 x DP 1", "TP 2 x PP 1 x DP 1", "same parallel layout")
+
+
+# --- save / load with a real DeepSpeed engine ---------------------------------------------------
+
+
+def test_resume_continues_exactly(world1, tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    full = _trainer(cfg, world1)
+    _steps(full, 3)
+    path, _ = checkpoint.save(full)
+    assert path.name == "iter_0000003" and (tmp_path / "ck" / "latest").read_text() == "iter_0000003"
+    expected = _steps(full, 4)
+    expected_params, expected_lr = _params(full), full.engine.get_lr()
+
+    cfg = _cfg(tmp_path, **{"train.load": str(tmp_path / "ck")})
+    random.seed(99), np.random.seed(99), torch.manual_seed(99)  # the restored streams must win
+    resumed = _trainer(cfg, world1)
+    checkpoint.load(resumed, checkpoint.find_resume(cfg))
+    assert (resumed.iteration, resumed.start_iteration, resumed.start_sample) == (3, 3, 12)
+    assert resumed.step_hooks[0].count == 3
+    assert _steps(resumed, 4) == expected  # bit for bit: fp32 on one rank
+    assert resumed.engine.get_lr() == expected_lr
+    for name, value in _params(resumed).items():
+        assert torch.equal(value, expected_params[name]), name
+    assert resumed.step_hooks[0].count == full.step_hooks[0].count == 7
+
+    # Saving after the resume records the data position from the start sample on.
+    path, _ = checkpoint.save(resumed)
+    assert json.loads((path / checkpoint.META).read_text())["consumed_samples"] == 28
+
+
+def test_hook_state_for_other_settings_is_not_loaded(world1, tmp_path: Path) -> None:
+    trainer = _trainer(_cfg(tmp_path), world1)
+    _steps(trainer, 2)
+    checkpoint.save(trainer)
+    cfg = _cfg(tmp_path, **{"train.load": str(tmp_path / "ck")})
+    other = _trainer(cfg, world1, hook_mode="b")
+    checkpoint.load(other, checkpoint.find_resume(cfg))
+    assert other.step_hooks[0].count == 0
+    assert any("_CountingHook" in m and "starts fresh" in m for m in other.messages)
+
+
+def test_crash_mid_save_leaves_previous_checkpoint(world1, tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, **{"train.load": str(tmp_path / "ck")})
+    trainer = _trainer(cfg, world1)
+    _steps(trainer, 2)
+    checkpoint.save(trainer)
+    saved = _params(trainer)
+    _steps(trainer, 2)
+    # A save of step 4 killed at various points: half-written files in the temporary tag, the
+    # metadata not yet written, the `latest` pointer's temporary file half-written.
+    root = tmp_path / "ck"
+    (root / "tmp_iter_0000004").mkdir()
+    (root / "tmp_iter_0000004" / "mp_rank_00_model_states.pt").write_bytes(b"PK\x03\x04half")
+    (root / "latest.tmp").write_text("iter_00")
+    resume = checkpoint.find_resume(cfg)
+    assert resume.path.name == "iter_0000002"
+    fresh = _trainer(cfg, world1)
+    checkpoint.load(fresh, resume)
+    for name, value in _params(fresh).items():
+        assert torch.equal(value, saved[name]), name
+    # The next save clears the leftover and completes.
+    path, _ = checkpoint.save(trainer)
+    assert not (root / "tmp_iter_0000004").exists()
+    assert checkpoint.find_resume(cfg).path == path
+
+
+def test_keep_last_and_same_step_saved_again(world1, tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, **{"train.keep_last": 2})
+    trainer = _trainer(cfg, world1)
+    for _ in range(4):
+        _steps(trainer, 1)
+        checkpoint.save(trainer)
+    root = tmp_path / "ck"
+    assert sorted(p.name for p in root.glob("iter_*")) == ["iter_0000003", "iter_0000004"]
+    # A resumed run saving a step that exists keeps both (nothing saved is overwritten).
+    trainer.cfg.train.keep_last = 0
+    path, _ = checkpoint.save(trainer)
+    assert path.name == "iter_0000004_2" and (root / "latest").read_text() == "iter_0000004_2"
+    assert (root / "iter_0000004" / checkpoint.META).is_file()
+
+
+def test_corrupt_deepspeed_file_is_named(world1, tmp_path: Path) -> None:
+    """Same size, garbage bytes: the size check passes, DeepSpeed's read fails -> the file's name."""
+    cfg = _cfg(tmp_path, **{"train.load": str(tmp_path / "ck")})
+    trainer = _trainer(cfg, world1)
+    _steps(trainer, 1)
+    path, _ = checkpoint.save(trainer)
+    bad = path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    bad.write_bytes(b"\x80" + b"\x00" * (bad.stat().st_size - 1))
+    with pytest.raises(ConfigError) as err:
+        checkpoint.load(_trainer(cfg, world1), checkpoint.find_resume(cfg))
+    _one_line(err, str(bad), "truncated or corrupt")

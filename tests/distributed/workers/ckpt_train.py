@@ -1,0 +1,76 @@
+"""Worker: pretrain_gpt runs for the checkpoint tests, one or more per launch (same processes, regrouped).
+
+    torchrun --nproc_per_node 2 ckpt_train.py --out DIR --job plain="--parallel.tp 1 ..." \
+        [--job resized="..."] [--slow 0.3] -- <common config overrides>
+
+Each run is `setup(cfg, pretrain_gpt.SPEC)` then `Trainer.train()`, as `pretrain()` does. With
+--slow S every step sleeps S seconds after the optimizer step (a stateless step hook), so that a test
+can SIGKILL the launch between two checkpoints. After each run every rank saves its model's tensors
+(local names, after loading and training) as DIR/<run>_rank<R>.pt and {"iteration", "start"} with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+import pretrain_gpt
+from megahet.config import load_config
+from megahet.training import setup
+
+
+class Sleep:
+    """A step hook that only slows training down."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def before_forward_backward(self, step: int) -> None:
+        pass
+
+    def before_step(self, engine) -> None:
+        pass
+
+    def after_step(self, engine) -> None:
+        time.sleep(self.seconds)
+
+
+def run(name: str, argv: list[str], out: Path, slow: float) -> None:
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    trainer = setup(load_config(argv), pretrain_gpt.SPEC)
+    start = trainer.iteration
+    if slow:
+        trainer.step_hooks.append(Sleep(slow))
+    trainer.train()
+    trainer.logger.close()
+    tensors = {
+        k: v.detach().clone() for k, v in trainer.engine.module.state_dict().items() if torch.is_tensor(v)
+    }
+    record = {"iteration": trainer.iteration, "start": start, "tensors": tensors}
+    torch.save(record, out / f"{name}_rank{dist.get_rank()}.pt")
+
+
+def main(argv: list[str]) -> None:
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--job", action="append", required=True, help="NAME=extra overrides")
+    parser.add_argument("--slow", type=float, default=0.0)
+    args = parser.parse_args(argv[:split])
+    for spec in args.job:
+        name, _, extra = spec.partition("=")
+        run(name, argv[split + 1 :] + shlex.split(extra), args.out, args.slow)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -260,8 +260,9 @@ def save(trainer) -> tuple[Path, float]:
             for old in _checkpoints(root)[:-keep]:
                 if old != final:
                     shutil.rmtree(old)
-    dist.barrier()
-    return final, time.perf_counter() - t0
+    name = [final.name]
+    dist.broadcast_object_list(name, src=0)  # rank 0 chose the name; also the final barrier
+    return root / name[0], time.perf_counter() - t0
 
 
 def load(trainer, resume: Resume) -> float:

@@ -312,7 +312,9 @@ def pretrain(cfg: MegahetConfig, spec: TaskSpec) -> list[dict[str, Any]]:
     logger = trainer.logger
     t0 = time.perf_counter()
     history = trainer.train()
-    logger.print(f"megahet {spec.name}: {trainer.iteration} steps in {time.perf_counter() - t0:.1f} s")
+    logger.print(
+        f"megahet {spec.name}: {trainer.iteration - trainer.start_iteration} steps in {time.perf_counter() - t0:.1f} s"
+    )
     logger.close()
     return history
 

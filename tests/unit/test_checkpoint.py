@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from megahet import checkpoint
-from megahet.config import ConfigError, MegahetConfig, apply_overrides
+from megahet.config import ConfigError, MegahetConfig, apply_overrides, validate
 from megahet.engine import build_engine
 
 
@@ -121,6 +121,21 @@ def _one_line(err: pytest.ExceptionInfo, *needles: str) -> None:
     assert "\n" not in message, message
     for needle in needles:
         assert needle in message, (needle, message)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needles"),
+    [
+        ({"train.save": None, "train.save_interval": 5}, ["train.save_interval 5", "train.save"]),
+        ({"train.keep_last": -1}, ["train.keep_last", ">= 0"]),
+        ({"train.save_interval": -2}, ["train.save_interval", ">= 0"]),
+    ],
+)
+def test_checkpoint_keys_are_validated(tmp_path: Path, overrides: dict, needles: list[str]) -> None:
+    validate(_cfg(tmp_path, **{"train.save_interval": 5, "train.keep_last": 2}), 1)
+    with pytest.raises(ConfigError) as err:
+        validate(_cfg(tmp_path, **overrides), 1)
+    _one_line(err, *needles)
 
 
 def test_no_load_means_fresh(tmp_path: Path) -> None:

@@ -1,0 +1,122 @@
+"""The balancing planner and the straggler detector on constructed speed vectors (pure functions)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megahet.balance.detector import SpeedEstimator
+from megahet.balance.planner import (
+    WorkTarget,
+    balance,
+    hysteresis,
+    ideal_shares,
+    plan_migrate_only,
+    plan_resize_only,
+    plan_semi,
+)
+
+
+def _time(work: list[float], speeds: list[float]) -> list[float]:
+    """What each rank's compute takes: its work at its speed."""
+    return [w / s for w, s in zip(work, speeds)]
+
+
+def test_ideal_shares_are_proportional_to_speed():
+    assert ideal_shares([1, 1, 2]) == pytest.approx([0.75, 0.75, 1.5])
+    assert sum(ideal_shares([0.1, 0.3, 1, 1])) == pytest.approx(4)
+
+
+@pytest.mark.parametrize("k, m", [(8, 4), (8, 3), (4, 3), (2, 1)])
+def test_migrate_only_matches_the_capacity_formula(k, m):
+    """DESIGN.md §2: a straggler of slowdown k with m equal helpers balances at (k-1)/(k+1/m)."""
+    target = plan_migrate_only([1 / k] + [1.0] * m)
+    sent = sum(target.moves[0].values())
+    assert sent == pytest.approx((k - 1) / (k + 1 / m))
+    work = target.work(m + 1)
+    times = _time(work, [1 / k] + [1.0] * m)
+    assert max(times) == pytest.approx(min(times))  # balanced: every rank finishes together
+
+
+def test_migrate_only_never_overloads_helpers_and_balances_several_stragglers():
+    speeds = [1 / 8, 1 / 6, 1 / 4, 1 / 2, 1, 1, 1, 1]
+    target = plan_migrate_only(speeds)
+    work = target.work(8)
+    shares = ideal_shares(speeds)
+    assert work == pytest.approx(shares)  # everyone holds exactly its ideal share
+    for owner, helpers in target.moves.items():
+        assert all(speeds[h] > speeds[owner] for h in helpers)  # work only flows to faster ranks
+    assert sum(work) == pytest.approx(8)  # lossless: no work disappears
+
+
+def test_resize_only_caps_everyone_at_the_fastest_time():
+    speeds = [1.0, 0.5, 0.25, 1.0]
+    target = plan_resize_only(speeds)
+    assert target.gamma == pytest.approx({1: 0.5, 2: 0.75})
+    assert max(_time(target.work(4), speeds)) == pytest.approx(1.0)
+    assert plan_resize_only([1.0, 0.01]).gamma[1] == 0.9  # max_gamma bounds the loss
+
+
+def test_semi_resizes_mild_and_migrates_heavy_stragglers_most_lagging_first():
+    speeds = [1.0, 1.0, 0.9, 0.25, 0.5]
+    shares = ideal_shares(speeds)  # [1.37, 1.37, 1.23, 0.34, 0.68]: rank 2 is fast enough to help
+    target = plan_semi(speeds, tolerance=0.4)
+    assert target.gamma == pytest.approx({4: 1 - shares[4]})  # gap 0.32 < tolerance: resize
+    assert set(target.moves) == {3}  # gap 0.66: migrate
+    assert set(target.moves[3]) == {0, 1, 2}  # to the ranks with spare share, in proportion
+    assert sum(target.moves[3].values()) == pytest.approx(1 - shares[3])
+    helpers = {h for moves in target.moves.values() for h in moves}
+    assert not helpers & set(target.gamma)  # no rank both resizes and helps
+    work = target.work(5)
+    assert max(w / s for w, s in zip(work, speeds)) <= 5 / sum(speeds) + 1e-9  # nobody exceeds T_opt
+
+
+def test_semi_resizes_what_helper_capacity_cannot_absorb():
+    speeds = [1.0, 0.2, 0.2, 0.2]  # one helper, hosting at most max_extra = 1 x U, for three stragglers
+    target = plan_semi(speeds, tolerance=0.3, max_extra=1.0)
+    assert set(target.moves) == {1, 2}  # the first two (ties: by rank) fill the helper's capacity
+    assert target.moves[1] == pytest.approx({0: 0.5}) and target.moves[2] == pytest.approx({0: 0.5})
+    assert target.gamma == pytest.approx({3: 0.5})  # the rest is resized
+    assert target.work(4)[0] == pytest.approx(2.0)  # the helper is full, not overloaded
+
+
+def test_healthy_group_returns_to_the_even_split_and_static_never_balances():
+    assert balance([1.0, 0.99, 1.0, 0.97], "semi").is_even
+    assert balance([1.0, 0.25, 1.0, 1.0], "static").is_even
+    assert not balance([1.0, 0.25, 1.0, 1.0], "semi").is_even
+    with pytest.raises(ValueError, match="balance mode"):
+        balance([1.0], "fastest")
+
+
+def test_hysteresis_keeps_the_plan_for_small_changes():
+    current = balance([1.0, 0.25, 1.0, 1.0], "migrate")
+    nudged = balance([1.0, 0.26, 1.0, 1.0], "migrate", current, hysteresis_threshold=0.05)
+    assert nudged is current  # a 1 % speed change does not flap the plan
+    moved = balance([1.0, 0.5, 1.0, 1.0], "migrate", current, hysteresis_threshold=0.05)
+    assert moved is not current and moved.work(4) == pytest.approx(ideal_shares([1.0, 0.5, 1.0, 1.0]))
+    assert hysteresis(current, WorkTarget(), 4) == WorkTarget()  # recovery is a big change: taken
+
+
+def test_speed_estimator_ignores_a_single_outlier_and_follows_a_real_change():
+    est = SpeedEstimator(tp_size=4, window=5)
+    speeds = [1.0, 1.0, 1.0, 0.25]
+    work = [1.0, 1.0, 1.0, 0.5]  # the straggler already runs a smaller plan: work changes, speed not
+    for step in range(5):
+        times = _time(work, speeds)
+        if step == 2:
+            times[0] *= 10  # one noisy sample on a fast rank
+        est.update(work, times)
+    assert est.speeds() == pytest.approx([1.0, 1.0, 1.0, 0.25])
+    assert est.stragglers(threshold=0.1) == [3]
+    for _ in range(3):  # the straggler recovers: the median follows within a few steps
+        est.update(work, _time(work, [1.0] * 4))
+    assert est.stragglers(threshold=0.1) == []
+
+
+def test_speed_estimator_errors():
+    est = SpeedEstimator(tp_size=2)
+    with pytest.raises(ValueError, match="no speed sample"):
+        est.speeds()
+    with pytest.raises(ValueError, match="expected 2 ranks"):
+        est.update([1.0], [1.0])
+    with pytest.raises(ValueError, match="positive"):
+        plan_semi([1.0, 0.0])

@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-
 _EPS = 1e-9  # below this, a share of U is rounding residue
 
 

@@ -25,7 +25,9 @@ def units_to_drop(num_units: int, gamma: float) -> int:
     return min(math.floor(gamma * num_units + 1e-9), num_units - 1)
 
 
-def parse_rank_gammas(text: str | None, dp_size: int, tp_size: int) -> dict[RankKey, float]:
+def parse_rank_gammas(
+    text: str | None, dp_size: int, tp_size: int, what: str = "resize"
+) -> dict[RankKey, float]:
     """'TP:GAMMA' (every DP replica of that TP rank) or 'DP.TP:GAMMA', comma-separated."""
     gammas: dict[RankKey, float] = {}
     for item in filter(None, (text or "").replace(" ", "").split(",")):
@@ -39,14 +41,16 @@ def parse_rank_gammas(text: str | None, dp_size: int, tp_size: int) -> dict[Rank
                 tp = int(rank)
                 ranks = [(dp, tp) for dp in range(dp_size)]
         except ValueError:
+            name = "GAMMA" if what == "resize" else "FRACTION"
             raise ValueError(
-                f"bad resize entry {item!r}: use TP_RANK:GAMMA or DP_RANK.TP_RANK:GAMMA"
+                f"bad {what} entry {item!r}: use TP_RANK:{name} or DP_RANK.TP_RANK:{name}"
             ) from None
         for dp, tp in ranks:
             if not (0 <= dp < dp_size and 0 <= tp < tp_size) or not sep:
-                raise ValueError(f"resize entry {item!r} names no rank of DP {dp_size} x TP {tp_size}")
+                raise ValueError(f"{what} entry {item!r} names no rank of DP {dp_size} x TP {tp_size}")
             if not 0.0 <= gamma < 1.0:
-                raise ValueError(f"resize entry {item!r}: gamma must be in [0, 1)")
+                value_name = "gamma" if what == "resize" else "the fraction"
+                raise ValueError(f"{what} entry {item!r}: {value_name} must be in [0, 1)")
             gammas[(dp, tp)] = gamma
     return gammas
 
@@ -98,10 +102,10 @@ def parse_migrations(
     for item in filter(None, (text or "").replace(" ", "").split(",")):
         spec, _, helper_text = item.partition("@")
         try:
-            gammas = parse_rank_gammas(spec, dp_size, tp_size)
             helpers = tuple(int(h) for h in helper_text.split("+")) if helper_text else None
         except ValueError:
             raise ValueError(f"bad migrate entry {item!r}: use TP:FRACTION or TP:FRACTION@H1+H2") from None
+        gammas = parse_rank_gammas(spec, dp_size, tp_size, "migrate")  # errors name the rank or fraction
         for (dp, tp), fraction in gammas.items():
             chosen = helpers if helpers is not None else tuple(h for h in range(tp_size) if h != tp)
             if not chosen or tp in chosen or any(not 0 <= h < tp_size for h in chosen):

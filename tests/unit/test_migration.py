@@ -87,9 +87,9 @@ def test_parse_migrations_explicit_helpers() -> None:
         ("0:0.5@-1", "helpers must be other TP ranks"),
         # owner / DP replica out of range, fraction >= 1: parse_rank_gammas' reason is replaced by
         # the migrate entry's usage line
-        ("4:0.5", "bad migrate entry '4:0.5'"),
-        ("2.0:0.5", "bad migrate entry '2.0:0.5'"),
-        ("0:1.0", "bad migrate entry '0:1.0'"),
+        ("4:0.5", "migrate entry '4:0.5' names no rank"),
+        ("2.0:0.5", "migrate entry '2.0:0.5' names no rank"),
+        ("0:1.0", "migrate entry '0:1.0': the fraction must be in [0, 1)"),
         ("0:0.5@x", "bad migrate entry"),
         ("zero:0.5", "bad migrate entry"),
     ],

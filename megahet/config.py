@@ -159,6 +159,17 @@ class ResizeConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
+class DeviceConfig:
+    """Virtual heterogeneous devices (emulated speeds; see megahet/devices.py)."""
+
+    profile: str | None = None
+    """Per-TP-rank speeds: static:S0,S1,..., schedule:STEP=S0,...;STEP=..., rotating:SLOWDOWN,PERIOD,
+    contention:SLOWDOWN,PERIOD[,SEED], or a YAML/JSON file. None: the real devices as they are."""
+    rate_gflops: float = 20.0
+    """Nominal speed of a virtual device (speed 1) in GFLOP/s; keep it below the real rank's speed."""
+
+
+@dataclasses.dataclass(kw_only=True)
 class MegahetConfig:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
@@ -166,6 +177,7 @@ class MegahetConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     resize: ResizeConfig = dataclasses.field(default_factory=ResizeConfig)
+    device: DeviceConfig = dataclasses.field(default_factory=DeviceConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -414,7 +426,20 @@ def validate(cfg: MegahetConfig, world_size: int) -> int:
         f"train.save_interval {t.save_interval} needs train.save (the checkpoint directory)",
     )
     _validate_resize(cfg, dp)
+    _validate_device(cfg)
     return dp
+
+
+def _validate_device(cfg: MegahetConfig) -> None:
+    from megahet.devices import parse_profile
+
+    d = cfg.device
+    _require(d.rate_gflops > 0, f"device.rate_gflops must be positive, got {d.rate_gflops}")
+    if d.profile:
+        try:
+            parse_profile(d.profile).check(cfg.parallel.tp)
+        except ValueError as err:
+            raise ConfigError(f"device.profile: {err}") from None
 
 
 def _validate_resize(cfg: MegahetConfig, dp: int) -> None:

@@ -299,6 +299,13 @@ def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
 
         num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.dp_size)
         hooks.append(ResizeController(cfg, task.model, layout, num_microbatches))
+    if cfg.device.profile:
+        from megahet.devices import DeviceStepHook, VirtualDevice, attach_virtual_device, parse_profile
+
+        profile = parse_profile(cfg.device.profile)
+        device = VirtualDevice(profile, layout.tp_rank, layout.tp_size, cfg.device.rate_gflops)
+        attach_virtual_device(task.model, device)
+        hooks.append(DeviceStepHook(device))
     trainer = Trainer(cfg, task, engine, layout, logger, hooks)
     if resume is not None:
         seconds = checkpoint.load(trainer, resume)

@@ -84,5 +84,6 @@ def resizable_layer_spec(attn_mask_type: AttnMaskType = AttnMaskType.causal) -> 
 
 
 def default_layer_spec(cfg: MegahetConfig, attn_mask_type: AttnMaskType = AttnMaskType.causal) -> ModuleSpec:
-    """Resizable layers when resizing is on, else megatron-core's own local layers."""
-    return resizable_layer_spec(attn_mask_type) if cfg.resize.active else local_layer_spec(attn_mask_type)
+    """Resizable layers when resizing or virtual devices are on, else megatron-core's own local layers."""
+    resizable = cfg.resize.active or bool(cfg.device.profile)  # virtual devices count executed FLOPs
+    return resizable_layer_spec(attn_mask_type) if resizable else local_layer_spec(attn_mask_type)

@@ -1,0 +1,133 @@
+"""Virtual heterogeneous devices: profiles, the charge arithmetic, and the hooks on a real model."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from megahet.devices import DeviceStepHook, SpeedProfile, VirtualDevice, attach_virtual_device, parse_profile
+from megahet.tensor_parallel.executor import ResizeExecutor
+from megahet.tensor_parallel.plan import ResizePlan
+
+SEED = 99
+
+
+def test_static_and_schedule_profiles():
+    p = parse_profile("static:1,1,0.5,0.25")
+    assert [p.speed(r, 0, 4) for r in range(4)] == [1, 1, 0.5, 0.25]
+    s = parse_profile("schedule:0=1,1;10=1,0.25;20=1,1")
+    assert [s.speed(1, t, 2) for t in (0, 9, 10, 19, 20, 99)] == [1, 1, 0.25, 0.25, 1, 1]
+
+
+def test_rotating_straggler_moves_every_period():
+    p = parse_profile("rotating:4,20")
+    slow = [[r for r in range(4) if p.speed(r, t, 4) < 1] for t in (0, 19, 20, 40, 60, 80)]
+    assert slow == [[0], [0], [1], [2], [3], [0]]
+    assert p.speed(1, 20, 4) == 0.25
+
+
+def test_contention_is_seeded_and_switches_per_episode():
+    a, b = parse_profile("contention:4,20,7"), parse_profile("contention:4,20,7")
+    grid = [[a.speed(r, t, 4) for r in range(4)] for t in range(0, 200, 20)]
+    assert grid == [[b.speed(r, t, 4) for r in range(4)] for t in range(0, 200, 20)]
+    assert all(a.speed(r, t, 4) == a.speed(r, t + 19 - t % 20, 4) for r in range(4) for t in range(0, 100, 7))
+    flat = [s for row in grid for s in row]
+    assert 0.25 in flat and 1.0 in flat
+    assert grid != [
+        [parse_profile("contention:4,20,8").speed(r, t, 4) for r in range(4)] for t in range(0, 200, 20)
+    ]
+
+
+def test_profile_from_files(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("kind: schedule\nschedule:\n  0: [1, 1]\n  5: [0.5, 1]\n")
+    assert parse_profile(str(path)).speed(0, 7, 2) == 0.5
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"kind": "rotating", "slowdown": 2, "period": 3}))
+    assert parse_profile(str(path)).speed(1, 3, 2) == 0.5
+
+
+@pytest.mark.parametrize(
+    "spec", ["static:1,0", "static:", "rotating:0.5,2", "rotating:4", "warp:1", "schedule:x=1"]
+)
+def test_bad_profiles_are_one_line_errors(spec):
+    with pytest.raises(ValueError, match="bad device profile") as err:
+        parse_profile(spec)
+    assert "\n" not in str(err.value)
+
+
+def test_profile_width_must_match_tp():
+    with pytest.raises(ValueError, match="2 ranks"):
+        VirtualDevice(parse_profile("static:1,1,1"), tp_rank=0, tp_size=2, rate_gflops=1)
+
+
+def test_charge_sleeps_only_what_real_compute_did_not_use():
+    device = VirtualDevice(SpeedProfile("static", speeds=(1.0, 0.5)), tp_rank=1, tp_size=2, rate_gflops=1.0)
+    t0 = time.perf_counter()
+    slept = device.charge(flops=int(0.02e9), real_s=0.01)  # 0.02 GFLOP at 0.5 GFLOP/s = 0.04 s
+    assert slept == pytest.approx(0.03)
+    assert time.perf_counter() - t0 >= 0.03
+    assert device.charge(flops=int(0.001e9), real_s=1.0) == 0.0  # real compute already took longer
+    assert device.busy_s == pytest.approx(0.042)
+    device.set_step(5)
+    assert device.busy_s == 0.0
+
+
+def test_hooks_charge_the_executed_work_at_the_rank_speed(world1):
+    """Busy time = FLOPs actually executed / (rate x speed): 4x slower at speed 1/4, and resizing
+    (fewer executed units) shrinks the charge by exactly the dropped work."""
+    from megahet.config import MegahetConfig
+    from megahet.models.common import resizable_layer_spec
+    from megahet.models.gpt import build_gpt
+
+    cfg = MegahetConfig()
+    cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads = 2, 32, 4
+    cfg.model.seq_length = 8
+    model = build_gpt(cfg, 128, resizable_layer_spec())
+    tokens = torch.randint(0, 128, (2, 8))
+    positions = torch.arange(8).expand(2, 8)
+
+    def busy(speed: float, plan: ResizePlan | None = None) -> float:
+        device = VirtualDevice(SpeedProfile("static", speeds=(speed,)), tp_rank=0, tp_size=1, rate_gflops=50)
+        handles = attach_virtual_device(model, device)
+        executor = ResizeExecutor(model, dp_rank=0, tp_rank=0, dp_size=1)
+        executor.apply(plan or ResizePlan())
+        hook = DeviceStepHook(device)
+        hook.before_forward_backward(0)
+        model(tokens, positions, None, labels=tokens).sum().backward()
+        executor.apply(ResizePlan())
+        for h in handles:
+            h.remove()
+        return hook.metrics()["busy_s"]
+
+    full = busy(1.0)
+    assert busy(0.25) == pytest.approx(4 * full, rel=1e-9)
+    ffn = 4 * 32
+    half_mlp = {("mlp", n): {(0, 0): tuple(range(ffn // 2))} for n in (1, 2)}
+    resized = busy(1.0, ResizePlan(half_mlp))
+    # MLP GEMMs: 2 matmuls of 2 * tokens * h * ffn each per layer; half of them are dropped.
+    tokens_n, layers = 16, 2
+    mlp_flops = layers * 2 * (2 * tokens_n * 32 * ffn)
+    dropped_charge = 3 * (mlp_flops / 2) / 50e9  # forward + 2x backward
+    assert full - resized == pytest.approx(dropped_charge, rel=1e-9)
+
+
+def test_attach_needs_resizable_layers():
+    with pytest.raises(ValueError, match="resizable layers"):
+        attach_virtual_device(
+            torch.nn.Linear(2, 2), VirtualDevice(SpeedProfile("static", speeds=(1.0,)), 0, 1, 1)
+        )
+
+
+def test_device_config_errors_before_ranks_start():
+    from megahet.config import ConfigError, load_config, validate
+
+    cfg = load_config(["--device.profile", "static:1,1,1", "--parallel.tp", "2"])
+    with pytest.raises(ConfigError, match="device.profile: .*2 ranks"):
+        validate(cfg, 2)
+    with pytest.raises(ConfigError, match="device.rate_gflops must be positive"):
+        validate(load_config(["--device.rate_gflops", "0"]), 1)
+    assert validate(load_config(["--device.profile", "rotating:4,20", "--parallel.tp", "2"]), 2) == 1

@@ -1,0 +1,240 @@
+"""Checkpoint conversion: megahet (DeepSpeed, any TP x PP) -> one unsharded state dict -> Hugging Face GPT-2.
+
+    state, meta = consolidate("ckpt")                  # DIR (its `latest`) or DIR/iter_NNNNNNN
+    export_hf(state, cfg.model, "hf_dir")              # GPT2LMHeadModel.from_pretrained("hf_dir")
+    python tools/convert_checkpoint.py consolidate --load ckpt --out model.pt
+    python tools/convert_checkpoint.py export-hf --load ckpt --out hf_dir [--config run.yaml | --model.* ...]
+
+Reads only the per-rank `mp_rank_XX_model_states.pt` files (plain torch.load, no process group).
+DeepSpeed's model-parallel rank is pp_rank * tp + tp_rank (megatron-core orders TP fastest). TP shards
+merge along each parameter's partition dim (column-parallel weights/biases, the vocab-parallel
+embedding: dim 0; row-parallel weights: dim 1; everything else is replicated); a stage's local layer
+indexes become global ones; the last stage's tied `output_layer.weight` copy is dropped. The result is
+fp32, named as the TP=1 PP=1 model names it (no `_extra_state` entries).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from megahet.checkpoint import LATEST, META
+from megahet.config import ConfigError, ModelConfig
+
+TIED_COPY = "output_layer.weight"
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+# suffix of a parameter name -> its TP partition dim (absent: replicated)
+_PARTITION = {
+    "embedding.word_embeddings.weight": 0,
+    "output_layer.weight": 0,
+    "self_attention.linear_qkv.weight": 0,
+    "self_attention.linear_qkv.bias": 0,
+    "mlp.linear_fc1.weight": 0,
+    "mlp.linear_fc1.bias": 0,
+    "self_attention.linear_proj.weight": 1,
+    "mlp.linear_fc2.weight": 1,
+}
+
+
+def partition_dim(name: str) -> int | None:
+    """TP partition dim of a (TP=1 PP=1) parameter name, or None for a replicated one."""
+    match = _LAYER.match(name)
+    return _PARTITION.get(match.group(2) if match else name)
+
+
+def find_checkpoint(path: str | Path) -> tuple[Path, dict]:
+    """(checkpoint folder, its megahet.json) for DIR (follows DIR/latest) or DIR/iter_NNNNNNN."""
+    root = Path(path).expanduser()
+    folder = root / (root / LATEST).read_text().strip() if (root / LATEST).is_file() else root
+    if not (folder / META).is_file():
+        what = (
+            "not found"
+            if not root.exists()
+            else f"is not a complete megahet checkpoint ({folder / META} missing)"
+        )
+        raise ConfigError(f"--load: {path} {what}: point it at a folder written by --train.save")
+    try:
+        meta = json.loads((folder / META).read_text())
+        tp, pp = meta["layout"]["tp"], meta["layout"]["pp"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise ConfigError(f"--load: {folder / META} is corrupt (not megahet's JSON)") from None
+    for rank in range(tp * pp):
+        if not (folder / model_states_file(rank)).is_file():
+            raise ConfigError(f"--load: checkpoint {folder} is incomplete: {model_states_file(rank)} missing")
+    return folder, meta
+
+
+def model_states_file(mp_rank: int) -> str:
+    return f"mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def _read_module(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        states = torch.load(file, map_location="cpu", weights_only=False)  # DeepSpeed's pickle
+    except (RuntimeError, EOFError, OSError, ValueError) as err:
+        raise ConfigError(
+            f"--load: {file} cannot be read ({type(err).__name__}): it is truncated or corrupt"
+        ) from None
+    if not isinstance(states, dict) or "module" not in states:
+        raise ConfigError(f"--load: {file} has no module state (not a DeepSpeed model states file)")
+    return {k: v for k, v in states["module"].items() if torch.is_tensor(v)}
+
+
+def merge_shards(stages: list[list[dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """stages[pp_rank][tp_rank]: rank-local state dicts -> the unsharded TP=1 PP=1 state (fp32)."""
+    out: dict[str, torch.Tensor] = {}
+    first_layer = 0
+    for pp_rank, shards in enumerate(stages):
+        local_layers = {int(m.group(1)) for k in shards[0] if (m := _LAYER.match(k))}
+        for name in shards[0]:
+            if name == TIED_COPY and len(stages) > 1 and pp_rank > 0:
+                continue  # the last stage's copy of the tied word embedding
+            match = _LAYER.match(name)
+            full = f"decoder.layers.{first_layer + int(match.group(1))}.{match.group(2)}" if match else name
+            parts = [s[name].float() for s in shards]
+            dim = partition_dim(full)
+            if dim is None:
+                if any(not torch.equal(parts[0], p) for p in parts[1:]):
+                    raise ConfigError(
+                        f"--load: {name} (stage {pp_rank}) differs across TP ranks: cannot merge it"
+                    )
+                out[full] = parts[0].clone()
+            else:
+                out[full] = torch.cat(parts, dim=dim)
+        first_layer += len(local_layers)
+    return out
+
+
+def consolidate(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The checkpoint's unsharded fp32 state dict and its megahet.json."""
+    folder, meta = find_checkpoint(path)
+    tp, pp = meta["layout"]["tp"], meta["layout"]["pp"]
+    stages = [[_read_module(folder / model_states_file(p * tp + t)) for t in range(tp)] for p in range(pp)]
+    for p, shards in enumerate(stages):
+        if any(set(s) != set(shards[0]) for s in shards):
+            raise ConfigError(f"--load: checkpoint {folder}: TP ranks of stage {p} hold different parameters")
+    return merge_shards(stages), meta
+
+
+def shard(state: dict[str, torch.Tensor], tp: int, pp: int) -> list[list[dict[str, torch.Tensor]]]:
+    """The inverse of merge_shards for a GPT/ViT state: [pp_rank][tp_rank] rank-local state dicts
+    (layers split evenly over stages, the tied output copy on the last stage of a GPT when PP > 1)."""
+    num_layers = 1 + max(int(m.group(1)) for k in state if (m := _LAYER.match(k)))
+    if num_layers % pp:
+        raise ConfigError(f"{num_layers} layers cannot be split evenly over PP={pp} stages")
+    per_stage = num_layers // pp
+    stages = [[{} for _ in range(tp)] for _ in range(pp)]
+    embedding_owner = {"embedding.", "patch_embedding.", "cls_token", "position_embeddings"}
+    for name, tensor in state.items():
+        match = _LAYER.match(name)
+        if match:
+            layer = int(match.group(1))
+            targets = [(layer // per_stage, f"decoder.layers.{layer % per_stage}.{match.group(2)}")]
+        elif any(name.startswith(p) for p in embedding_owner):
+            targets = [(0, name)]
+            if name == "embedding.word_embeddings.weight" and pp > 1:
+                targets.append((pp - 1, TIED_COPY))
+        else:  # final layernorm, ViT head
+            targets = [(pp - 1, name)]
+        dim = partition_dim(name)
+        if dim is not None and tensor.shape[dim] % tp:
+            raise ConfigError(f"{name}: dim {dim} of size {tensor.shape[dim]} cannot be split over TP={tp}")
+        parts = torch.chunk(tensor, tp, dim=dim) if dim is not None else [tensor] * tp
+        for stage, local in targets:
+            for t in range(tp):
+                stages[stage][t][local] = parts[t].clone()
+    return stages
+
+
+# --- Hugging Face GPT-2 ---------------------------------------------------------------------------
+
+
+def _hf_config(state: dict[str, torch.Tensor], m: ModelConfig):
+    from transformers import GPT2Config
+
+    if "embedding.word_embeddings.weight" not in state:
+        raise ConfigError("export-hf: not a GPT checkpoint (no embedding.word_embeddings.weight)")
+    vocab, hidden = state["embedding.word_embeddings.weight"].shape
+    positions = state["embedding.position_embeddings.weight"].shape[0]
+    layers = 1 + max(int(mt.group(1)) for k in state if (mt := _LAYER.match(k)))
+    ffn = state["decoder.layers.0.mlp.linear_fc1.weight"].shape[0]
+    qkv = state["decoder.layers.0.self_attention.linear_qkv.weight"].shape[0]
+    if (m.hidden_size, m.num_layers, m.seq_length) != (hidden, layers, positions):
+        raise ConfigError(
+            f"export-hf: the config says hidden {m.hidden_size}, {m.num_layers} layers, seq_length "
+            f"{m.seq_length}; the checkpoint has {hidden}, {layers}, {positions}: pass the run's --config"
+        )
+    if hidden % m.num_attention_heads or qkv != 3 * hidden:
+        raise ConfigError(
+            f"export-hf: GPT-2 needs multi-head attention with hidden % heads == 0 and a [q,k,v] of 3 x hidden "
+            f"(hidden {hidden}, heads {m.num_attention_heads}, qkv rows {qkv})"
+        )
+    return GPT2Config(
+        vocab_size=vocab,
+        n_positions=positions,
+        n_embd=hidden,
+        n_layer=layers,
+        n_head=m.num_attention_heads,
+        n_inner=ffn,
+        activation_function="gelu_new",
+        layer_norm_epsilon=m.layernorm_epsilon,
+        resid_pdrop=m.hidden_dropout,
+        embd_pdrop=m.hidden_dropout,
+        attn_pdrop=m.attention_dropout,
+        initializer_range=m.init_method_std,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+
+
+def gpt_to_hf(state: dict[str, torch.Tensor], heads: int) -> dict[str, torch.Tensor]:
+    """megahet GPT (TP=1 PP=1 names) -> GPT2LMHeadModel state dict (Conv1D weights are (in, out))."""
+    out = {
+        "transformer.wte.weight": state["embedding.word_embeddings.weight"],
+        "transformer.wpe.weight": state["embedding.position_embeddings.weight"],
+        "transformer.ln_f.weight": state["decoder.final_layernorm.weight"],
+        "transformer.ln_f.bias": state["decoder.final_layernorm.bias"],
+        "lm_head.weight": state["embedding.word_embeddings.weight"],
+    }
+    layers = 1 + max(int(mt.group(1)) for k in state if (mt := _LAYER.match(k)))
+    for i in range(layers):
+        src, dst = f"decoder.layers.{i}.", f"transformer.h.{i}."
+        w, b = state[src + "self_attention.linear_qkv.weight"], state[src + "self_attention.linear_qkv.bias"]
+        hidden = w.shape[1]
+        # megatron: rows per head [q_h | k_h | v_h]; HF: columns [all q | all k | all v]
+        w = w.reshape(heads, 3, hidden // heads, hidden).transpose(0, 1).reshape(3 * hidden, hidden)
+        b = b.reshape(heads, 3, hidden // heads).transpose(0, 1).reshape(3 * hidden)
+        pairs = {
+            "ln_1": "input_layernorm",
+            "ln_2": "pre_mlp_layernorm",
+        }
+        for hf, mg in pairs.items():
+            out[dst + hf + ".weight"] = state[src + mg + ".weight"]
+            out[dst + hf + ".bias"] = state[src + mg + ".bias"]
+        out[dst + "attn.c_attn.weight"], out[dst + "attn.c_attn.bias"] = w.t(), b
+        for hf, mg in {
+            "attn.c_proj": "self_attention.linear_proj",
+            "mlp.c_fc": "mlp.linear_fc1",
+            "mlp.c_proj": "mlp.linear_fc2",
+        }.items():
+            out[dst + hf + ".weight"] = state[src + mg + ".weight"].t()
+            out[dst + hf + ".bias"] = state[src + mg + ".bias"]
+    return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+def export_hf(state: dict[str, torch.Tensor], model_cfg: ModelConfig, out: str | Path):
+    """Write a transformers GPT2LMHeadModel (save_pretrained) into `out`; returns the model."""
+    from transformers import GPT2LMHeadModel
+
+    config = _hf_config(state, model_cfg)
+    model = GPT2LMHeadModel(config)
+    missing, unexpected = model.load_state_dict(gpt_to_hf(state, config.n_head), strict=False)
+    missing = [k for k in missing if not k.endswith((".attn.bias", ".attn.masked_bias"))]
+    if missing or unexpected:
+        raise ConfigError(f"export-hf: GPT-2 mapping incomplete (missing {missing}, unexpected {unexpected})")
+    model.save_pretrained(str(out))
+    return model

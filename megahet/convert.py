@@ -238,3 +238,32 @@ def export_hf(state: dict[str, torch.Tensor], model_cfg: ModelConfig, out: str |
         raise ConfigError(f"export-hf: GPT-2 mapping incomplete (missing {missing}, unexpected {unexpected})")
     model.save_pretrained(str(out))
     return model
+
+
+# --- ViT: safetensors + JSON config ----------------------------------------------------------------
+
+VIT_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "layernorm_epsilon",
+            "image_size", "patch_size", "in_channels", "num_classes")  # fmt: skip
+
+
+def export_vit(state: dict[str, torch.Tensor], model_cfg: ModelConfig, out: str | Path) -> None:
+    """Write out/model.safetensors (TP=1 PP=1 names) and out/config.json (the ModelConfig it needs)."""
+    from safetensors.torch import save_file
+
+    if "patch_embedding.weight" not in state:
+        raise ConfigError("export-vit: not a ViT checkpoint (no patch_embedding.weight)")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+    config = {k: getattr(model_cfg, k) for k in VIT_KEYS}
+    (out / "config.json").write_text(json.dumps({"megahet_model": "vit", **config}, indent=1))
+
+
+def load_vit_export(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(ModelConfig, state dict) of an export_vit folder, for megahet.models.vit.build_vit at TP=1."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("megahet_model")
+    return ModelConfig(**config), load_file(str(folder / "model.safetensors"))

@@ -117,5 +117,30 @@ def test_cli(gpt, tmp_path, capsys):
     assert all(torch.equal(merged[k], v) for k, v in state.items())
     assert main(["export-hf", "--load", str(tmp_path / "ck"), "--out", str(tmp_path / "hf"), *MODEL]) == 0
     assert (tmp_path / "hf" / "config.json").is_file()
+    assert main(["export-vit", "--load", str(tmp_path / "ck"), "--out", str(tmp_path / "v")]) == 2
     assert main(["export-hf", "--load", str(tmp_path / "ck"), "--out", str(tmp_path / "hf2")]) == 2
     assert "pass the run's --config" in capsys.readouterr().err
+
+
+def test_vit_export_round_trip(world1, tmp_path):
+    import dataclasses
+
+    from megahet.config import MegahetConfig
+    from megahet.convert import export_vit, load_vit_export
+    from megahet.models.vit import build_vit
+
+    cfg = load_config([*MODEL, "--model.seq_length", "128"])
+    model = build_vit(cfg).eval()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    write_checkpoint(tmp_path / "ck", state, 2, 2)
+    merged, _ = consolidate(tmp_path / "ck")
+    export_vit(merged, cfg.model, tmp_path / "vit")
+    model_cfg, loaded = load_vit_export(tmp_path / "vit")
+    again = build_vit(dataclasses.replace(MegahetConfig(), model=model_cfg)).eval()
+    missing, unexpected = again.load_state_dict(loaded, strict=False)
+    assert not unexpected and all(k.endswith("_extra_state") for k in missing)
+    images = torch.randn(3, 1, 28, 28, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(again(images), model(images))
+    with pytest.raises(ConfigError, match="not a ViT checkpoint"):
+        export_vit({}, cfg.model, tmp_path / "x")

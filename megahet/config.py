@@ -170,6 +170,24 @@ class DeviceConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
+class BalanceConfig:
+    """The automatic balancer (see megahet/balancing.py and megahet/balance/planner.py)."""
+
+    mode: Literal["static", "resize", "migrate", "semi"] = "static"
+    """static: no balancing; resize: ZERO-resizing only; migrate: lossless migration only; semi: both."""
+    interval: int = 1
+    """Steps between two planning decisions."""
+    window: int = 5
+    """Speed samples per rank in the estimator's median (one outlier cannot move it)."""
+    tolerance: float = 0.3
+    """semi: a straggler whose gap (1 - its ideal share) is below this resizes, else migrates."""
+    healthy_gap: float = 0.05
+    """The group is healthy (even split) when every rank is within this of the fastest."""
+    hysteresis: float = 0.05
+    """Keep the current plan unless some rank's work would change by more than this (of its units)."""
+
+
+@dataclasses.dataclass(kw_only=True)
 class MegahetConfig:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
@@ -178,6 +196,7 @@ class MegahetConfig:
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     resize: ResizeConfig = dataclasses.field(default_factory=ResizeConfig)
     device: DeviceConfig = dataclasses.field(default_factory=DeviceConfig)
+    balance: BalanceConfig = dataclasses.field(default_factory=BalanceConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -427,6 +446,12 @@ def validate(cfg: MegahetConfig, world_size: int) -> int:
     )
     _validate_resize(cfg, dp)
     _validate_device(cfg)
+    b = cfg.balance
+    _require(b.interval > 0 and b.window > 0, "balance.interval and balance.window must be positive")
+    _require(
+        not (b.mode in ("migrate", "semi") and p.zero_stage == 2),
+        f"balance.mode={b.mode} migrates units and needs ZeRO-1: set parallel.zero_stage=1",
+    )
     return dp
 
 

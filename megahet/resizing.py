@@ -95,9 +95,14 @@ class ResizeController:
         age[list(moved)] = self.cfg.max_drop_steps  # migrated units are not candidates
         return select_priority(self.scores[(block, rank[1])], age, n_drop, self.cfg.max_drop_steps)
 
+    def request_replan(self) -> None:
+        """Plan again at the next step (the balancer changed gammas or moves)."""
+        self._replan = True
+
     def before_forward_backward(self, step: int) -> None:
         self.step = step
-        if step % self.cfg.reselect_interval == 0:
+        if step % self.cfg.reselect_interval == 0 or getattr(self, "_replan", False):
+            self._replan = False
             if self.cfg.selection == "priority":
                 self._gather_scores()
             self._migrated = plan_migration(self.units, self.moves)

@@ -294,7 +294,7 @@ def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
         f"{sum(p.numel() for p in task.model.parameters())} parameters on this rank"
     )
     hooks = []
-    if cfg.resize.active:
+    if cfg.resize.active or cfg.balance.mode != "static":
         from megahet.resizing import ResizeController
 
         num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.dp_size)
@@ -307,6 +307,12 @@ def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
         attach_virtual_device(task.model, device)
         hooks.append(DeviceStepHook(device))
     trainer = Trainer(cfg, task, engine, layout, logger, hooks)
+    if cfg.balance.mode != "static":
+        from megahet.balancing import BalanceController
+
+        device_hook = next((h for h in hooks if hasattr(h, "device")), None)
+        device = device_hook.device if device_hook is not None else None
+        trainer.step_hooks.append(BalanceController(cfg, layout, hooks[0], trainer.timers, device))
     if resume is not None:
         seconds = checkpoint.load(trainer, resume)
         logger.print(f"megahet: resumed from {resume.path} (step {trainer.iteration}) in {seconds:.2f} s")

@@ -117,27 +117,38 @@ def parse_migrations(
 
 
 def plan_migration(
-    block_units: Mapping[BlockKey, int], moves: Mapping[RankKey, tuple[float, tuple[int, ...]]]
+    block_units: Mapping[BlockKey, int],
+    moves: Mapping[RankKey, tuple[float, tuple[int, ...]] | Mapping[int, float]],
 ) -> dict[BlockKey, dict[RankKey, dict[int, tuple[int, ...]]]]:
-    """Each owner's highest floor(fraction * units) units, split evenly (in order) over its helpers.
+    """An owner's highest units, in contiguous chunks per helper (in helper order).
 
-    Which units move does not matter for the result (migration is lossless); contiguous chunks keep
-    the messages simple.
+    A move is (fraction, helpers) — floor(fraction * units) split evenly — or {helper: fraction of the
+    owner's units}. Which units move does not matter for the result (migration is lossless);
+    contiguous chunks keep the messages simple. At least one unit stays with the owner.
     """
     migrated = {}
     for block, num_units in sorted(block_units.items()):
         entry = {}
-        for rank, (fraction, helpers) in sorted(moves.items()):
-            n = units_to_drop(num_units, fraction)
-            moving = list(range(num_units - n, num_units))
-            share, extra = divmod(n, len(helpers))
-            split, start = {}, 0
-            for i, helper in enumerate(helpers):
-                size = share + (1 if i < extra else 0)
-                if size:
-                    split[helper] = tuple(moving[start : start + size])
-                start += size
+        for rank, move in sorted(moves.items()):
+            counts = _helper_counts(num_units, move)
+            start, split = num_units - sum(counts.values()), {}
+            for helper, n in counts.items():
+                if n:
+                    split[helper] = tuple(range(start, start + n))
+                start += n
             if split:
                 entry[rank] = split
         migrated[block] = entry
     return migrated
+
+
+def _helper_counts(num_units: int, move) -> dict[int, int]:
+    if isinstance(move, tuple):
+        fraction, helpers = move
+        share, extra = divmod(units_to_drop(num_units, fraction), len(helpers))
+        return {h: share + (1 if i < extra else 0) for i, h in enumerate(helpers)}
+    counts = {h: math.floor(f * num_units + 1e-9) for h, f in sorted(move.items())}
+    while sum(counts.values()) > num_units - 1:  # keep at least one unit with the owner
+        largest = max(counts, key=counts.get)
+        counts[largest] -= 1
+    return counts

@@ -85,5 +85,6 @@ def resizable_layer_spec(attn_mask_type: AttnMaskType = AttnMaskType.causal) -> 
 
 def default_layer_spec(cfg: MegahetConfig, attn_mask_type: AttnMaskType = AttnMaskType.causal) -> ModuleSpec:
     """Resizable layers when resizing or virtual devices are on, else megatron-core's own local layers."""
-    resizable = cfg.resize.active or bool(cfg.device.profile)  # virtual devices count executed FLOPs
+    # Virtual devices and the balancer need the resizable layers' FLOP counters and plans.
+    resizable = cfg.resize.active or bool(cfg.device.profile) or cfg.balance.mode != "static"
     return resizable_layer_spec(attn_mask_type) if resizable else local_layer_spec(attn_mask_type)

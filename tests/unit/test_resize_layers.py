@@ -28,6 +28,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
+from resize_reference import zero_units
 
 from megahet.balance.resize_planner import plan_resize
 from megahet.balance.selection import select_random
@@ -158,22 +159,6 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol:
     """fp32 closeness scaled by the tensor's magnitude (summation order differs, nothing else)."""
     atol = 1e-6 * max(expected.abs().max().item(), 1e-12)
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
-
-
-@torch.no_grad()
-def zero_units(model, drops: dict[tuple[str, int], tuple[int, ...]]) -> None:
-    """The reference: set the dropped units' weights to zero, by explicit index arithmetic."""
-    for layer in model.decoder.layers:
-        n = layer.layer_number
-        attention, mlp = layer.self_attention, layer.mlp
-        for u in drops.get(("mlp", n), ()):
-            mlp.linear_fc1.weight[u, :] = 0
-            mlp.linear_fc1.bias[u] = 0
-            mlp.linear_fc2.weight[:, u] = 0
-        for h in drops.get(("attn", n), ()):
-            attention.linear_qkv.weight[3 * HN * h : 3 * HN * (h + 1), :] = 0
-            attention.linear_qkv.bias[3 * HN * h : 3 * HN * (h + 1)] = 0
-            attention.linear_proj.weight[:, HN * h : HN * (h + 1)] = 0
 
 
 def _plan(drops: dict[tuple[str, int], tuple[int, ...]], rank: tuple[int, int] = (0, 0)) -> ResizePlan:

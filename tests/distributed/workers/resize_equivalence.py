@@ -39,6 +39,9 @@ from megahet.parallel import current_layout, initialize_parallel
 from megahet.tensor_parallel.executor import ResizeExecutor
 from megahet.tensor_parallel.plan import ResizePlan
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: shared test support
+from resize_reference import zero_units
+
 SEED = 2024
 LAYERS, HIDDEN, HEADS, FFN = 2, 32, 4, 64
 HN = HIDDEN // HEADS
@@ -125,23 +128,6 @@ def run(model, kind: str, seed: int = 1) -> dict:
 
 def plan_for(drops: dict, rank: tuple[int, int]) -> ResizePlan:
     return ResizePlan({block: {rank: units} for block, units in drops.items()})
-
-
-@torch.no_grad()
-def zero_units(model, drops: dict) -> None:
-    """TP=1 reference: zero the dropped units' weights (fc1 rows + biases, fc2 columns; qkv rows +
-    biases, proj columns)."""
-    for layer in model.decoder.layers:
-        n = layer.layer_number
-        attention, mlp = layer.self_attention, layer.mlp
-        for u in drops.get(("mlp", n), ()):
-            mlp.linear_fc1.weight[u, :] = 0
-            mlp.linear_fc1.bias[u] = 0
-            mlp.linear_fc2.weight[:, u] = 0
-        for h in drops.get(("attn", n), ()):
-            attention.linear_qkv.weight[3 * HN * h : 3 * HN * (h + 1), :] = 0
-            attention.linear_qkv.bias[3 * HN * h : 3 * HN * (h + 1)] = 0
-            attention.linear_proj.weight[:, HN * h : HN * (h + 1)] = 0
 
 
 def global_drops(tp_rank: int, tp: int) -> dict:

@@ -1,0 +1,25 @@
+"""Test support: the reference model of ZERO-resizing — dropped units' weights set to zero by
+explicit index arithmetic, independent of megahet.tensor_parallel.blocks. Shared by the unit tests
+and the torchrun workers (which put tests/ on sys.path)."""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.no_grad()
+def zero_units(model, drops: dict[tuple[str, int], tuple[int, ...]]) -> None:
+    """Zero fc1 rows + biases and fc2 columns of dropped MLP units; qkv rows + biases and proj
+    columns of dropped heads (megatron-core's MHA layout: per head [q, k, v] rows of head size)."""
+    for layer in model.decoder.layers:
+        n = layer.layer_number
+        attention, mlp = layer.self_attention, layer.mlp
+        hn = attention.hidden_size_per_attention_head
+        for u in drops.get(("mlp", n), ()):
+            mlp.linear_fc1.weight[u, :] = 0
+            mlp.linear_fc1.bias[u] = 0
+            mlp.linear_fc2.weight[:, u] = 0
+        for h in drops.get(("attn", n), ()):
+            attention.linear_qkv.weight[3 * hn * h : 3 * hn * (h + 1), :] = 0
+            attention.linear_qkv.bias[3 * hn * h : 3 * hn * (h + 1)] = 0
+            attention.linear_proj.weight[:, hn * h : hn * (h + 1)] = 0

@@ -9,9 +9,21 @@ hysteresis and a return to the even split when the group is healthy), so the res
 identical everywhere. The ResizeController turns the targets into units at the next step.
 
 Every TP group of every pipeline stage balances itself (blocks and speeds are stage-local).
+
+Telemetry (`report()`, logged by the logging rank for its stage's first DP replica): per TP rank the
+estimated speed (`speed_tpR`), dropped fraction (`gamma_tpR`) and migrated units (`moved_tpR`:
+fraction of its own units a helper computes, minus the guests it computes; < 0 for a helper), and
+`balance_eff`, the compute efficiency of the interval: the time the executed work would take split in
+proportion to the measured speeds, over the slowest rank's compute time (1 = perfectly balanced).
+`balance.trace` writes all of it per step and per rank to JSONL, drawn as a PNG at the end.
 """
 
 from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -23,8 +35,24 @@ from megahet.config import MegahetConfig
 from megahet.parallel import ParallelLayout
 
 
+def compute_efficiency(work: list[float], busy: list[float]) -> float:
+    """Ideal compute time of the executed work (split in proportion to each rank's measured speed
+    work_i / busy_i) over the slowest rank's compute time."""
+    if min(busy) <= 0 or min(work) <= 0:
+        return float("nan")
+    ideal = sum(work) / sum(w / t for w, t in zip(work, busy))
+    return ideal / max(busy)
+
+
+def trace_path(path: str, pp_rank: int, pp_size: int) -> Path:
+    path = Path(path).expanduser()
+    return path if pp_size == 1 else path.with_name(f"{path.stem}_stage{pp_rank}{path.suffix}")
+
+
 class BalanceController:
-    def __init__(self, cfg: MegahetConfig, layout: ParallelLayout, resize, timers, device=None):
+    def __init__(
+        self, cfg: MegahetConfig, layout: ParallelLayout, resize, timers, device=None, step_start=None
+    ):
         self.cfg, self.layout, self.resize, self.timers, self.device = (
             cfg.balance,
             layout,
@@ -32,10 +60,18 @@ class BalanceController:
             timers,
             device,
         )
+        self.step_start = step_start or time.perf_counter
+        """When the current step began (the Trainer's clock), so plan changes and transfers count."""
         self.estimators = [SpeedEstimator(layout.tp_size, cfg.balance.window) for _ in range(layout.dp_size)]
         self.targets = [WorkTarget() for _ in range(layout.dp_size)]
         self.changes = 0
         self._flops0 = self._compute0 = 0.0
+        self._efficiency: list[float] = []
+        self._trace = None
+        if cfg.balance.trace and layout.tp_rank == 0 and layout.dp_rank == 0:
+            self.trace_file = trace_path(cfg.balance.trace, layout.pp_rank, layout.pp_size)
+            self.trace_file.parent.mkdir(parents=True, exist_ok=True)
+            self._trace = self.trace_file.open("w")
 
     def before_forward_backward(self, step: int) -> None:
         self.step = step
@@ -50,16 +86,25 @@ class BalanceController:
         busy = self.device.busy_s if self.device is not None else self.timers.compute_s - self._compute0
         return work, busy
 
-    def after_step(self, engine) -> None:
+    def _gather(self) -> tuple[list[list[float]], list[list[float]]]:
+        """(work, busy) of every rank of this stage, indexed [dp][tp]."""
         work, busy = self._measure()
         mine = torch.tensor([self.layout.dp_rank, self.layout.tp_rank, work, busy], dtype=torch.float64)
         group = ps.get_tensor_and_data_parallel_group()
         rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(rows, mine, group=group)
         table = {(int(r[0]), int(r[1])): (float(r[2]), float(r[3])) for r in rows}
-        for dp, estimator in enumerate(self.estimators):
-            samples = [table[(dp, tp)] for tp in range(self.layout.tp_size)]
-            estimator.update([w for w, _ in samples], [t for _, t in samples])
+        tp, dp = range(self.layout.tp_size), range(self.layout.dp_size)
+        return [[table[(d, t)][0] for t in tp] for d in dp], [[table[(d, t)][1] for t in tp] for d in dp]
+
+    def after_step(self, engine) -> None:
+        works, busys = self._gather()
+        for estimator, work, busy in zip(self.estimators, works, busys):
+            estimator.update(work, busy)
+        efficiency = [compute_efficiency(w, b) for w, b in zip(works, busys)]
+        self._efficiency.append(efficiency[self.layout.dp_rank])
+        if self._trace is not None:
+            self._write_trace(works, busys, efficiency)
         if (self.step + 1) % self.cfg.interval or not all(e.ready for e in self.estimators):
             return
         b = self.cfg
@@ -78,7 +123,58 @@ class BalanceController:
             }
             self.resize.request_replan()
 
+    def _speeds(self, dp: int) -> list[float] | None:
+        estimator = self.estimators[dp]
+        return estimator.speeds() if estimator.ready else None
+
+    def _fractions(self, dp: int) -> dict[str, list[float]]:
+        return self.resize.executor.plan.unit_fractions(self.resize.units, dp, self.layout.tp_size)
+
+    def _write_trace(self, works, busys, efficiency) -> None:
+        """One JSON line per step: the executed plan and the measurements, indexed [dp][tp]."""
+        dps = range(self.layout.dp_size)
+        fractions = [self._fractions(dp) for dp in dps]
+        row = {
+            "step": self.step,
+            "step_s": time.perf_counter() - self.step_start(),
+            "efficiency": efficiency,
+            "busy_s": busys,
+            "work_gflop": [[w / 1e9 for w in ws] for ws in works],
+            "speed": [self._speeds(dp) for dp in dps],
+            **{k: [f[k] for f in fractions] for k in ("dropped", "sent", "hosted")},
+        }
+        self._trace.write(json.dumps(row) + "\n")
+        self._trace.flush()
+
     def metrics(self) -> dict[str, float]:
         estimator = self.estimators[self.layout.dp_rank]
         speed = estimator.speeds()[self.layout.tp_rank] if estimator.ready else 1.0
         return {"est_speed": speed, "plan_changes": float(self.changes)}
+
+    def report(self) -> dict[str, float]:
+        """Per TP rank of this rank's TP group: speed, dropped fraction, migrated units; and the
+        interval's compute efficiency. No communication: every rank of the group knows it all."""
+        dp = self.layout.dp_rank
+        speeds = self._speeds(dp) or [1.0] * self.layout.tp_size
+        fractions = self._fractions(dp)
+        out = {}
+        for name, values in (
+            ("speed", speeds),
+            ("gamma", fractions["dropped"]),
+            ("moved", [s - h for s, h in zip(fractions["sent"], fractions["hosted"])]),
+        ):
+            out.update({f"{name}_tp{r}": v for r, v in enumerate(values)})
+        finite = [e for e in self._efficiency if not math.isnan(e)]
+        out["balance_eff"] = sum(finite) / len(finite) if finite else float("nan")
+        self._efficiency = []
+        return out
+
+    def close(self) -> None:
+        """Close the trace and draw it (tools/plot_balance.py draws it again)."""
+        if self._trace is None:
+            return
+        self._trace.close()
+        self._trace = None
+        from megahet.balance.plot import plot_trace
+
+        plot_trace(self.trace_file, self.trace_file.with_suffix(".png"))

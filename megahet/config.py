@@ -177,14 +177,24 @@ class BalanceConfig:
     """static: no balancing; resize: ZERO-resizing only; migrate: lossless migration only; semi: both."""
     interval: int = 1
     """Steps between two planning decisions."""
-    window: int = 5
-    """Speed samples per rank in the estimator's median (one outlier cannot move it)."""
+    window: int = 3
+    """Speed samples per rank in the estimator's median (one outlier cannot move it; a real change
+    is followed after window // 2 + 1 samples)."""
     tolerance: float = 0.3
     """semi: a straggler whose gap (1 - its ideal share) is below this resizes, else migrates."""
     healthy_gap: float = 0.05
     """The group is healthy (even split) when every rank is within this of the fastest."""
     hysteresis: float = 0.05
     """Keep the current plan unless some rank's work would change by more than this (of its units)."""
+    trace: str | None = None
+    """Write every step's per-rank busy time, estimated speed and plan to this JSONL file (one per
+    pipeline stage: _stageP is added when PP > 1) and draw it as a PNG beside it at the end of the
+    run (tools/plot_balance.py redraws it). Also measures (never plans) when mode=static."""
+
+    @property
+    def active(self) -> bool:
+        """The balancer runs: it plans (mode != static) or only measures (a trace is asked for)."""
+        return self.mode != "static" or bool(self.trace)
 
 
 @dataclasses.dataclass(kw_only=True)

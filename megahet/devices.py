@@ -123,9 +123,10 @@ class VirtualDevice:
         self.rate = rate_gflops * 1e9
         self.step = 0
         self.busy_s = 0.0  # charged compute time of the current step (what a detector measures)
+        self.overrun_s = 0.0  # real compute beyond the charge this step: > 0 means rate is too high
 
     def set_step(self, step: int) -> None:
-        self.step, self.busy_s = step, 0.0
+        self.step, self.busy_s, self.overrun_s = step, 0.0, 0.0
 
     @property
     def speed(self) -> float:
@@ -138,6 +139,8 @@ class VirtualDevice:
         rest = charge - real_s
         if rest > 0:
             time.sleep(rest)
+        else:
+            self.overrun_s -= rest
         return max(rest, 0.0)
 
 
@@ -198,4 +201,5 @@ class DeviceStepHook:
         pass
 
     def metrics(self) -> dict[str, float]:
-        return {"device_speed": self.device.speed, "busy_s": self.device.busy_s}
+        d = self.device
+        return {"device_speed": d.speed, "busy_s": d.busy_s, "device_overrun_s": d.overrun_s}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +28,23 @@ _CONSOLE_FORMAT = {
     "step_time_s": "step {:.3f} s",
     "compute_min_s": "compute min {:.3f} s",
     "compute_max_s": "max {:.3f} s",
+    "balance_eff": "E {:.3f}",
 }
+_PER_TP_RANK = re.compile(r"^(.+)_tp(\d+)$")
 
 
 def format_console_line(step: int, total: int, metrics: dict[str, float]) -> str:
-    parts = [f"step {step:>6}/{total}"]
+    """One line; per-TP-rank metrics (name_tp0, name_tp1, ...) print as one field 'name v0 v1 ...'."""
+    parts, per_rank = [f"step {step:>6}/{total}"], {}
     for key, value in metrics.items():
-        parts.append(_CONSOLE_FORMAT.get(key, key + " {:.4g}").format(value))
+        match = _PER_TP_RANK.match(key)
+        if match:
+            if match[1] not in per_rank:
+                per_rank[match[1]] = len(parts)
+                parts.append(match[1])
+            parts[per_rank[match[1]]] += f" {value:.2f}"
+        else:
+            parts.append(_CONSOLE_FORMAT.get(key, key + " {:.4g}").format(value))
     return " | ".join(parts)
 
 

@@ -59,7 +59,8 @@ class ResizeController:
         self.units = self.executor.block_units
         self.stats: dict[BlockKey, GradientStats] = {}
         self.scores: dict[tuple[BlockKey, int], np.ndarray] = {}
-        self.drop_age = {(b, rank): np.zeros(n, int) for b, n in self.units.items() for rank in self.gammas}
+        self.drop_age: dict[tuple[BlockKey, RankKey], np.ndarray] = {}
+        """Steps each unit has been dropped in a row, per (block, rank) ever resized."""
         self.step = 0
         self._flops_logged = 0
 
@@ -91,9 +92,13 @@ class ResizeController:
             kind = 0 if block[0] == "attn" else 1
             picks = select_random(len(available), n_drop, (self.seed, self.step, block[1], kind, *rank))
             return tuple(available[i] for i in picks)
-        age = self.drop_age[(block, rank)].copy()
+        age = self._drop_age(block, rank).copy()
         age[list(moved)] = self.cfg.max_drop_steps  # migrated units are not candidates
         return select_priority(self.scores[(block, rank[1])], age, n_drop, self.cfg.max_drop_steps)
+
+    def _drop_age(self, block: BlockKey, rank: RankKey) -> np.ndarray:
+        """A rank the balancer resizes for the first time starts with every age at zero."""
+        return self.drop_age.setdefault((block, rank), np.zeros(self.units[block], int))
 
     def request_replan(self) -> None:
         """Plan again at the next step (the balancer changed gammas or moves)."""
@@ -124,7 +129,7 @@ class ResizeController:
             for rank in self.gammas:
                 dropped = np.zeros(n, bool)
                 dropped[list(plan.dropped(block, *rank))] = True
-                self.drop_age[(block, rank)] = update_drop_age(self.drop_age[(block, rank)], dropped)
+                self.drop_age[(block, rank)] = update_drop_age(self._drop_age(block, rank), dropped)
 
     def state_dict(self) -> dict:
         """Everything needed to resume exactly: the plan, the statistics, the drop ages, the step."""

@@ -140,6 +140,8 @@ class Trainer:
         self.schedule = get_forward_backward_func()
         self.scheduled = ScheduledEngine(engine)
         self.iteration = 0
+        self.step_t0 = time.perf_counter()
+        """When the current step began (hooks time whole steps with it)."""
         self.start_iteration, self.start_sample = 0, 0
         """Where this run started (a resumed checkpoint's iteration and consumed samples)."""
 
@@ -164,7 +166,7 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step; returns {loss, lr, grad_norm, step_time_s, compute_s} (loss on last stage)."""
-        t0 = time.perf_counter()
+        t0 = self.step_t0 = time.perf_counter()
         compute0 = self.timers.compute_s
         outputs = self.forward_backward()
         for hook in self.step_hooks:
@@ -246,6 +248,9 @@ class Trainer:
             compute_max_s=float(compute[1]),
         )
         metrics.update(self._hook_metrics())
+        for hook in self.step_hooks:
+            if hasattr(hook, "report"):  # this rank's view, e.g. its TP group's plan, not reduced
+                metrics.update(hook.report())
         return metrics
 
     def _hook_metrics(self) -> dict[str, float]:
@@ -294,7 +299,7 @@ def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
         f"{sum(p.numel() for p in task.model.parameters())} parameters on this rank"
     )
     hooks = []
-    if cfg.resize.active or cfg.balance.mode != "static":
+    if cfg.resize.active or cfg.balance.active:
         from megahet.resizing import ResizeController
 
         num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.dp_size)
@@ -307,12 +312,14 @@ def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
         attach_virtual_device(task.model, device)
         hooks.append(DeviceStepHook(device))
     trainer = Trainer(cfg, task, engine, layout, logger, hooks)
-    if cfg.balance.mode != "static":
+    if cfg.balance.active:
         from megahet.balancing import BalanceController
 
         device_hook = next((h for h in hooks if hasattr(h, "device")), None)
         device = device_hook.device if device_hook is not None else None
-        trainer.step_hooks.append(BalanceController(cfg, layout, hooks[0], trainer.timers, device))
+        trainer.step_hooks.append(
+            BalanceController(cfg, layout, hooks[0], trainer.timers, device, lambda: trainer.step_t0)
+        )
     if resume is not None:
         seconds = checkpoint.load(trainer, resume)
         logger.print(f"megahet: resumed from {resume.path} (step {trainer.iteration}) in {seconds:.2f} s")
@@ -325,6 +332,9 @@ def pretrain(cfg: MegahetConfig, spec: TaskSpec) -> list[dict[str, Any]]:
     logger = trainer.logger
     t0 = time.perf_counter()
     history = trainer.train()
+    for hook in trainer.step_hooks:
+        if hasattr(hook, "close"):
+            hook.close()
     logger.print(
         f"megahet {spec.name}: {trainer.iteration - trainer.start_iteration} steps in {time.perf_counter() - t0:.1f} s"
     )

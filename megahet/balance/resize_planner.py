@@ -123,16 +123,22 @@ def plan_migration(
     """An owner's highest units, in contiguous chunks per helper (in helper order).
 
     A move is (fraction, helpers) — floor(fraction * units) split evenly — or {helper: fraction of the
-    owner's units}. Which units move does not matter for the result (migration is lossless);
-    contiguous chunks keep the messages simple. At least one unit stays with the owner.
+    owner's units} (a balancer's target, rounded to whole units by `balanced_counts`). Which units
+    move does not matter for the result (migration is lossless); contiguous chunks keep the messages
+    simple. At least one unit stays with the owner.
     """
+    explicit = {rank: move for rank, move in moves.items() if isinstance(move, tuple)}
+    targets = {rank: move for rank, move in moves.items() if not isinstance(move, tuple)}
     migrated = {}
     for block, num_units in sorted(block_units.items()):
+        counts = {rank: _helper_counts(num_units, move) for rank, move in explicit.items()}
+        for dp in sorted({dp for dp, _ in targets}):
+            group = {tp: move for (d, tp), move in targets.items() if d == dp}
+            counts.update({(dp, tp): c for tp, c in balanced_counts(num_units, group).items()})
         entry = {}
-        for rank, move in sorted(moves.items()):
-            counts = _helper_counts(num_units, move)
-            start, split = num_units - sum(counts.values()), {}
-            for helper, n in counts.items():
+        for rank, per_helper in sorted(counts.items()):
+            start, split = num_units - sum(per_helper.values()), {}
+            for helper, n in sorted(per_helper.items()):
                 if n:
                     split[helper] = tuple(range(start, start + n))
                 start += n
@@ -142,13 +148,47 @@ def plan_migration(
     return migrated
 
 
-def _helper_counts(num_units: int, move) -> dict[int, int]:
-    if isinstance(move, tuple):
-        fraction, helpers = move
-        share, extra = divmod(units_to_drop(num_units, fraction), len(helpers))
-        return {h: share + (1 if i < extra else 0) for i, h in enumerate(helpers)}
-    counts = {h: math.floor(f * num_units + 1e-9) for h, f in sorted(move.items())}
-    while sum(counts.values()) > num_units - 1:  # keep at least one unit with the owner
-        largest = max(counts, key=counts.get)
-        counts[largest] -= 1
-    return counts
+def _helper_counts(num_units: int, move: tuple[float, tuple[int, ...]]) -> dict[int, int]:
+    fraction, helpers = move
+    share, extra = divmod(units_to_drop(num_units, fraction), len(helpers))
+    return {h: share + (1 if i < extra else 0) for i, h in enumerate(helpers)}
+
+
+def balanced_counts(num_units: int, moves: Mapping[int, Mapping[int, float]]) -> dict[int, dict[int, int]]:
+    """Whole units each owner sends each helper, for one TP group's fractional target.
+
+    The target gives every rank involved a work w_r (its own units, minus what it sends, plus what
+    it hosts, in units of U = num_units); w_r is proportional to the rank's speed. Rounding each
+    fraction down would leave a slow owner one unit too many, which costs it 1/w_r — far more than the
+    same unit costs a fast helper. So units are dealt out by water-filling: each rank starts at
+    floor(w_r * U) units (an owner keeps at least one) and every remaining unit goes to the rank
+    whose time (n_r + 1) / w_r grows least, which minimizes the block's slowest time. Owners then
+    hand their surplus to helpers in rank order.
+    """
+    work: dict[int, float] = {}
+    for owner, helpers in moves.items():
+        for helper, fraction in helpers.items():
+            work[owner] = work.get(owner, 1.0) - fraction
+            work[helper] = work.get(helper, 1.0) + fraction
+    work = {r: max(w, 1e-9) for r, w in work.items()}
+    counts = {r: math.floor(w * num_units + 1e-9) for r, w in work.items()}
+    for owner in moves:
+        counts[owner] = max(counts[owner], 1)
+    total = num_units * len(work)
+    while sum(counts.values()) > total:  # owners kept their last unit: helpers give it up
+        helper = max((r for r in counts if counts[r] > num_units), key=lambda r: counts[r] / work[r])
+        counts[helper] -= 1
+    while sum(counts.values()) < total:
+        rank = min(work, key=lambda r: ((counts[r] + 1) / work[r], r))
+        counts[rank] += 1
+    surplus = {r: counts[r] - num_units for r in sorted(work) if counts[r] > num_units}
+    sent: dict[int, dict[int, int]] = {}
+    for owner in sorted(r for r in work if counts[r] < num_units):
+        deficit = num_units - counts[owner]
+        for helper, spare in surplus.items():
+            n = min(deficit, spare)
+            if n:
+                sent.setdefault(owner, {})[helper] = n
+                surplus[helper] -= n
+                deficit -= n
+    return sent

@@ -86,5 +86,5 @@ def resizable_layer_spec(attn_mask_type: AttnMaskType = AttnMaskType.causal) -> 
 def default_layer_spec(cfg: MegahetConfig, attn_mask_type: AttnMaskType = AttnMaskType.causal) -> ModuleSpec:
     """Resizable layers when resizing or virtual devices are on, else megatron-core's own local layers."""
     # Virtual devices and the balancer need the resizable layers' FLOP counters and plans.
-    resizable = cfg.resize.active or bool(cfg.device.profile) or cfg.balance.mode != "static"
+    resizable = cfg.resize.active or bool(cfg.device.profile) or cfg.balance.active
     return resizable_layer_spec(attn_mask_type) if resizable else local_layer_spec(attn_mask_type)

@@ -70,6 +70,21 @@ class ResizePlan:
                 counts[unit] -= 1
         return counts
 
+    def unit_fractions(
+        self, block_units: Mapping[BlockKey, int], dp_rank: int, tp_size: int
+    ) -> dict[str, list[float]]:
+        """Per TP rank of one DP replica, as fractions of its own units over all blocks: dropped,
+        sent (computed by a helper) and hosted (a guest it computes for an owner)."""
+        total = sum(block_units.values()) or 1
+        out = {k: [0.0] * tp_size for k in ("dropped", "sent", "hosted")}
+        for block in block_units:
+            for tp in range(tp_size):
+                out["dropped"][tp] += len(self.dropped(block, dp_rank, tp)) / total
+            for (owner, helper), units in self.migrations(block, dp_rank).items():
+                out["sent"][owner] += len(units) / total
+                out["hosted"][helper] += len(units) / total
+        return out
+
     @property
     def is_empty(self) -> bool:
         dropped = any(units for ranks in self.blocks.values() for units in ranks.values())

@@ -14,6 +14,7 @@ from megahet.balance.planner import (
     plan_resize_only,
     plan_semi,
 )
+from megahet.balance.resize_planner import balanced_counts, plan_migration
 
 
 def _time(work: list[float], speeds: list[float]) -> list[float]:
@@ -110,6 +111,56 @@ def test_speed_estimator_ignores_a_single_outlier_and_follows_a_real_change():
     for _ in range(3):  # the straggler recovers: the median follows within a few steps
         est.update(work, _time(work, [1.0] * 4))
     assert est.stragglers(threshold=0.1) == []
+
+
+def test_speed_estimator_of_window_3_flips_after_two_slow_samples_not_one():
+    est = SpeedEstimator(tp_size=2, window=3)
+    for _ in range(3):
+        est.update([1.0, 1.0], [1.0, 1.0])
+    est.update([1.0, 1.0], [1.0, 4.0])  # one slow sample: an outlier as far as the median knows
+    assert est.speeds() == pytest.approx([1.0, 1.0])
+    est.update([1.0, 1.0], [1.0, 4.0])
+    assert est.speeds() == pytest.approx([1.0, 0.25])
+
+
+def _block_time(num_units: int, sent: dict, speeds: list[float]) -> float:
+    counts = [num_units] * len(speeds)
+    for owner, helpers in sent.items():
+        for helper, n in helpers.items():
+            counts[owner] -= n
+            counts[helper] += n
+    return max(n / s for n, s in zip(counts, speeds))
+
+
+@pytest.mark.parametrize("num_units", [4, 8, 16, 128])
+def test_balanced_counts_round_to_whole_units_without_overloading_the_slow_owner(num_units):
+    speeds = [1 / 8, 1 / 6, 1 / 4, 1 / 2, 1.0, 1.0, 1.0, 1.0]
+    target = plan_migrate_only(speeds)
+    sent = balanced_counts(num_units, target.moves)
+    # Whole units, conserved, every owner keeps one, helpers only receive.
+    assert all(isinstance(n, int) and n > 0 for h in sent.values() for n in h.values())
+    assert all(sum(h.values()) <= num_units - 1 for h in sent.values())
+    assert set(sent) <= {0, 1, 2, 3} and {h for hs in sent.values() for h in hs} <= {4, 5, 6, 7}
+    # Within one unit on a fast rank of the ideal, unless the slowest owner's last unit (which it
+    # keeps) is the bottleneck; flooring each fraction (the naive rounding) is worse at small counts.
+    ideal = num_units * len(speeds) / sum(speeds)
+    best = _block_time(num_units, sent, speeds)
+    assert best <= max(ideal + 1.0, 1 / min(speeds)) + 1e-9
+    floored = {o: {h: int(f * num_units) for h, f in hs.items()} for o, hs in target.moves.items()}
+    assert best <= _block_time(num_units, floored, speeds) + 1e-9
+    if num_units == 8:
+        assert best < _block_time(num_units, floored, speeds)
+
+
+def test_plan_migration_rounds_balancer_targets_per_dp_replica():
+    units = {("attn", 1): 4, ("mlp", 1): 16}
+    moves = {(0, 3): plan_migrate_only([1, 1, 1, 1 / 8]).moves[3], (1, 0): {1: 0.5}}
+    migrated = plan_migration(units, moves)
+    # Replica 0: rank 3 keeps one head (time 8 vs the helpers' 5/1) and 2 of 16 MLP units.
+    assert migrated[("attn", 1)][(0, 3)] == {0: (1,), 1: (2,), 2: (3,)}
+    assert sum(len(u) for u in migrated[("mlp", 1)][(0, 3)].values()) == 14
+    # Replica 1 is planned on its own: rank 0 hands half its units to rank 1.
+    assert migrated[("mlp", 1)][(1, 0)] == {1: tuple(range(8, 16))}
 
 
 def test_speed_estimator_errors():

@@ -72,8 +72,9 @@ def test_charge_sleeps_only_what_real_compute_did_not_use():
     assert time.perf_counter() - t0 >= 0.03
     assert device.charge(flops=int(0.001e9), real_s=1.0) == 0.0  # real compute already took longer
     assert device.busy_s == pytest.approx(0.042)
+    assert device.overrun_s == pytest.approx(0.998)  # reported: the rate is too high for this rank
     device.set_step(5)
-    assert device.busy_s == 0.0
+    assert device.busy_s == 0.0 and device.overrun_s == 0.0
 
 
 def test_hooks_charge_the_executed_work_at_the_rank_speed(world1):

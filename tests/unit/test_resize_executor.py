@@ -457,3 +457,31 @@ def test_controller_state_round_trip_resumes_the_same_plans(world1) -> None:
     for name, value in model.state_dict().items():
         if torch.is_tensor(value):  # megatron-core also keeps non-tensor "_extra_state" entries
             assert torch.equal(value, expected_weights[name]), name
+
+
+def test_controller_resizes_a_rank_the_balancer_names_for_the_first_time(world1) -> None:
+    """The balancer sets gammas at run time for ranks the config never resized; priority selection
+    (drop ages per rank) must plan them too, and the ages start counting from there."""
+    from megahet.config import load_config
+    from megahet.parallel import current_layout
+    from megahet.resizing import ResizeController
+
+    cfg = load_config(["--resize.enabled", "true", "--resize.selection", "priority"])
+    model = gpt()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = type("Engine", (), {"optimizer": optimizer})()
+    ctrl = ResizeController(cfg, model, current_layout(), num_microbatches=2)
+    for t in range(3):
+        if t == 1:
+            ctrl.gammas = {(0, 0): 0.5}  # what BalanceController does
+            ctrl.request_replan()
+        ctrl.before_forward_backward(t)
+        optimizer.zero_grad(set_to_none=True)
+        backward(model, batches(t))
+        ctrl.before_step(engine)
+        optimizer.step()
+        ctrl.after_step(engine)
+    for block, n in ctrl.units.items():
+        dropped = ctrl.executor.plan.dropped(block, 0, 0)
+        assert len(dropped) == n // 2
+        assert sorted(ctrl.drop_age[(block, (0, 0))].nonzero()[0]) == sorted(dropped)

@@ -1,0 +1,68 @@
+"""Draw a balancer trace (`--balance.trace run.jsonl`): per-rank step time and plan over the run.
+
+    python tools/plot_balance.py run.jsonl [--out run.png] [--dp 0]
+
+Three panels, one line per TP rank of one DP replica: compute (busy) time per step with the step
+time in black; the plan as each rank's work in units of its own shard (1 - dropped - sent + hosted;
+dropped units dashed); the estimated speed, with the step's compute efficiency in black.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def read_trace(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"balance trace {path} does not exist: run with --balance.trace {path}")
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise ValueError(
+                f"balance trace {path} line {number} is not JSON: is the run still writing it?"
+            ) from None
+    if not rows:
+        raise ValueError(f"balance trace {path} is empty: the run logged no step")
+    return rows
+
+
+def plot_trace(trace: str | Path, png: str | Path, dp: int = 0, title: str | None = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_trace(trace)
+    tp_size = len(rows[0]["busy_s"][dp])
+    steps = [r["step"] for r in rows]
+    fig, (ax_time, ax_plan, ax_speed) = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+    colors = plt.get_cmap("tab10")
+    ax_time.plot(steps, [r["step_s"] for r in rows], color="black", label="step")
+    for tp in range(tp_size):
+        color = colors(tp % 10)
+        ax_time.plot(steps, [r["busy_s"][dp][tp] for r in rows], color=color, label=f"TP {tp} compute")
+        work = [1 - r["dropped"][dp][tp] - r["sent"][dp][tp] + r["hosted"][dp][tp] for r in rows]
+        ax_plan.plot(steps, work, color=color, label=f"TP {tp}")
+        ax_plan.plot(steps, [r["dropped"][dp][tp] for r in rows], color=color, linestyle="--")
+        speeds = [r["speed"][dp][tp] if r["speed"][dp] else float("nan") for r in rows]
+        ax_speed.plot(steps, speeds, color=color)
+    ax_speed.plot(steps, [r["efficiency"][dp] for r in rows], color="black", label="compute efficiency")
+    ax_time.set_ylabel("seconds")
+    ax_time.legend(fontsize=7, ncol=2)
+    ax_plan.set_ylabel("work (own units = 1)\n-- dropped")
+    ax_plan.legend(fontsize=7, ncol=4)
+    ax_speed.set_ylabel("estimated speed")
+    ax_speed.set_ylim(0, 1.1)
+    ax_speed.legend(fontsize=7)
+    ax_speed.set_xlabel("step")
+    ax_time.set_title(title or f"{Path(trace).name}: DP replica {dp}")
+    fig.tight_layout()
+    png = Path(png)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png

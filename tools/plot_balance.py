@@ -1,0 +1,39 @@
+"""Draw a balancer trace as a PNG: per-rank step time, plan and estimated speed over the run.
+
+Usage::
+
+    python tools/plot_balance.py runs/balance.jsonl                 # -> runs/balance.png
+    python tools/plot_balance.py runs/balance.jsonl --out plan.png --dp 1
+
+The trace is what `--balance.trace FILE` writes (a PNG is also drawn beside it when the run ends).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megahet.balance.plot import plot_trace
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trace", type=Path, help="a --balance.trace JSONL file")
+    parser.add_argument("--out", type=Path, default=None, help="PNG path (default: the trace's, .png)")
+    parser.add_argument("--dp", type=int, default=0, help="which DP replica's TP group to draw")
+    args = parser.parse_args(argv)
+    try:
+        png = plot_trace(args.trace, args.out or args.trace.with_suffix(".png"), dp=args.dp)
+    except (FileNotFoundError, ValueError, IndexError) as err:
+        message = err if not isinstance(err, IndexError) else f"the trace has no DP replica {args.dp}"
+        print(f"plot_balance: error: {message}", file=sys.stderr)
+        return 2
+    print(f"wrote {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -10,6 +10,11 @@ e.g. the ResizeController), and megahet.json (iteration, consumed samples, layou
 Every rank writes into DIR/tmp_iter_NNNNNNN; after a barrier rank 0 writes megahet.json, renames the
 folder into place, then points DIR/latest at it (tmp file + os.replace), and only then applies
 train.keep_last. A crash at any moment leaves the previous checkpoint loadable.
+
+A weights-only checkpoint (`tools/convert_checkpoint.py reshard`, `save_weights_only`) has only the
+model states per TP x PP rank and a megahet.json with "weights_only": true; it loads under any DP
+size and ZeRO stage with its own TP x PP, restoring the weights, the step and the consumed samples,
+while the optimizer, LR schedule, RNG streams and step hooks start fresh.
 """
 
 from __future__ import annotations
@@ -54,6 +59,11 @@ class Resume:
 
 def tag_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
+
+
+def model_states_file(mp_rank: int) -> str:
+    """DeepSpeed's per TP x PP rank file (mp_rank = pp_rank * tp + tp_rank): module weights, client state."""
+    return f"mp_rank_{mp_rank:02d}_model_states.pt"
 
 
 def rank_file(rank: int) -> str:
@@ -111,13 +121,24 @@ def layout_of(cfg: MegahetConfig, dp: int) -> dict[str, int]:
 
 
 def check_compatible(resume: Resume, cfg: MegahetConfig, dp: int) -> None:
-    """The checkpoint's sharding must be this run's: DeepSpeed's files are per TP x PP x DP rank."""
+    """The checkpoint's sharding must be this run's: DeepSpeed's files are per TP x PP x DP rank.
+    A weights-only checkpoint has no optimizer shards: only its TP x PP must match."""
     saved, now = resume.meta["layout"], layout_of(cfg, dp)
+    reshard = f"reshard it with tools/convert_checkpoint.py reshard --tp {now['tp']} --pp {now['pp']}"
+    same_model_parallel = (saved["tp"], saved["pp"]) == (now["tp"], now["pp"])
+    if resume.meta.get("weights_only"):
+        if not same_model_parallel:
+            raise ConfigError(
+                f"train.load: weights-only checkpoint {resume.path} is laid out for TP {saved['tp']} x PP "
+                f"{saved['pp']}, this run is TP {now['tp']} x PP {now['pp']}: {reshard}"
+            )
+        return
     if saved != now:
         fmt = "TP {tp} x PP {pp} x DP {dp}, ZeRO-{zero_stage}".format
+        also = "" if same_model_parallel else f", or {reshard} (weights only: the optimizer restarts)"
         raise ConfigError(
             f"train.load: checkpoint {resume.path} was saved with {fmt(**saved)}, this run is {fmt(**now)}: "
-            f"resume with the same parallel layout"
+            f"resume with the same parallel layout{also}"
         )
 
 
@@ -215,6 +236,22 @@ def _checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: (json.loads((p / META).read_text())["iteration"], p.stat().st_mtime))
 
 
+def _publish(tmp: Path, meta: dict) -> Path:
+    """Complete the checkpoint written into tmp (DIR/tmp_iter_NNNNNNN): write its megahet.json (with
+    every file's size), rename it to DIR/iter_NNNNNNN (or iter_NNNNNNN_2, ... when that step exists),
+    then point DIR/latest at it. Returns the final folder."""
+    root, tag = tmp.parent, tag_name(meta["iteration"])
+    final, suffix = root / tag, 1
+    while final.exists():  # the same step saved again (a resumed run): keep both
+        suffix += 1
+        final = root / f"{tag}_{suffix}"
+    meta = {**meta, "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}}
+    _write_atomic(tmp / META, json.dumps(meta, indent=1))
+    os.rename(tmp, final)
+    _write_atomic(root / LATEST, final.name)
+    return final
+
+
 def save(trainer) -> tuple[Path, float]:
     """Save the trainer's state into train.save (all ranks call it); returns (folder, seconds)."""
     cfg, engine, layout = trainer.cfg, trainer.engine, trainer.layout
@@ -238,44 +275,76 @@ def save(trainer) -> tuple[Path, float]:
     }
     torch.save({"rng": rng_states(), "hooks": hooks}, tmp / rank_file(layout.rank))
     dist.barrier()
-    final = root / tag_name(trainer.iteration)
+    final = None
     if layout.rank == 0:
-        suffix = 1
-        while final.exists():  # the same step saved again (a resumed run): keep both
-            suffix += 1
-            final = root / f"{tag_name(trainer.iteration)}_{suffix}"
         meta = {
             "format": FORMAT_VERSION,
             "iteration": trainer.iteration,
             "consumed_samples": consumed,
             "layout": layout_of(cfg, layout.dp_size),
             "world_size": layout.world_size,
-            "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()},
+            "model": dataclasses.asdict(cfg.model),
         }
-        _write_atomic(tmp / META, json.dumps(meta, indent=1))
-        os.rename(tmp, final)
-        _write_atomic(root / LATEST, final.name)
+        final = _publish(tmp, meta)
         keep = cfg.train.keep_last
         if keep > 0:
             for old in _checkpoints(root)[:-keep]:
                 if old != final:
                     shutil.rmtree(old)
-    name = [final.name]
+    name = [final.name if final is not None else None]
     dist.broadcast_object_list(name, src=0)  # rank 0 chose the name; also the final barrier
     return root / name[0], time.perf_counter() - t0
 
 
+def save_weights_only(
+    root: Path, stages: list[list[dict]], *, iteration: int, consumed_samples: int, meta: dict
+) -> Path:
+    """Write a weights-only checkpoint into root (a new or empty folder): stages[pp_rank][tp_rank] is
+    that rank's module state dict (stage-local names, as the model's state_dict() names them). Only
+    DeepSpeed's model states files and megahet.json ("weights_only": true, layout TP x PP, plus `meta`);
+    `latest` names it. Returns the checkpoint folder."""
+    tp, pp = len(stages[0]), len(stages)
+    tmp = root / (TMP_PREFIX + tag_name(iteration))
+    tmp.mkdir(parents=True)
+    client_state = {"megahet": {"iteration": iteration, "consumed_samples": consumed_samples}}
+    for pp_rank, shards in enumerate(stages):
+        for tp_rank, module in enumerate(shards):
+            # what engine.load_checkpoint(load_module_only=True) reads: module, dp_world_size, client state
+            states = {"module": module, "dp_world_size": None, "mp_world_size": tp * pp, **client_state}
+            torch.save(states, tmp / model_states_file(pp_rank * tp + tp_rank))
+    header = {
+        "format": FORMAT_VERSION,
+        "iteration": iteration,
+        "consumed_samples": consumed_samples,
+        "weights_only": True,
+        "layout": {"tp": tp, "pp": pp},
+    }
+    return _publish(tmp, {**header, **meta})
+
+
 def load(trainer, resume: Resume) -> float:
-    """Restore model, optimizer shards, LR schedule, RNG streams, data position and hook state; seconds."""
+    """Restore model, optimizer shards, LR schedule, RNG streams, data position and hook state; seconds.
+    From a weights-only checkpoint: the weights, the step and the data position only."""
     t0 = time.perf_counter()
     engine = trainer.engine
+    weights_only = bool(resume.meta.get("weights_only"))
     with _naming_bad_files(engine):
-        load_path, client_state = engine.load_checkpoint(str(resume.path.parent), tag=resume.path.name)
+        # load_module_only: DeepSpeed then copies the loaded weights into ZeRO's fp32 master partitions
+        load_path, client_state = engine.load_checkpoint(
+            str(resume.path.parent), tag=resume.path.name, load_module_only=weights_only
+        )
     if load_path is None:
         raise ConfigError(f"train.load: DeepSpeed found no model states in checkpoint {resume.path}")
     state = client_state["megahet"]
     trainer.iteration = trainer.start_iteration = state["iteration"]
     trainer.start_sample = state["consumed_samples"]
+    if weights_only:
+        trainer.logger.print(
+            f"megahet: {resume.path} is a weights-only checkpoint: loaded the weights, step {trainer.iteration} "
+            f"and {trainer.start_sample} consumed samples; the optimizer (AdamW moments) and the LR schedule "
+            f"restart from scratch (warmup again), RNG streams and step-hook state start fresh"
+        )
+        return time.perf_counter() - t0
     mine = _load_file(resume.path / rank_file(trainer.layout.rank))
     set_rng_states(mine["rng"])
     for name, hook in _stateful_hooks(trainer.step_hooks).items():

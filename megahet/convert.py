@@ -1,9 +1,12 @@
-"""Checkpoint conversion: megahet (DeepSpeed, any TP x PP) -> one unsharded state dict -> Hugging Face GPT-2.
+"""Checkpoint conversion: megahet (DeepSpeed, any TP x PP) -> one unsharded state dict -> Hugging Face
+GPT-2, ViT safetensors, or a weights-only megahet checkpoint at another TP x PP.
 
     state, meta = consolidate("ckpt")                  # DIR (its `latest`) or DIR/iter_NNNNNNN
     export_hf(state, cfg.model, "hf_dir")              # GPT2LMHeadModel.from_pretrained("hf_dir")
+    reshard("ckpt", "ckpt_tp4", tp=4, pp=1)            # pretrain_gpt.py --train.load ckpt_tp4 --parallel.tp 4
     python tools/convert_checkpoint.py consolidate --load ckpt --out model.pt
     python tools/convert_checkpoint.py export-hf --load ckpt --out hf_dir [--config run.yaml | --model.* ...]
+    python tools/convert_checkpoint.py reshard --load ckpt --out ckpt_tp4 --tp 4 --pp 1
 
 Reads only the per-rank `mp_rank_XX_model_states.pt` files (plain torch.load, no process group).
 DeepSpeed's model-parallel rank is pp_rank * tp + tp_rank (megatron-core orders TP fastest). TP shards
@@ -11,18 +14,25 @@ merge along each parameter's partition dim (column-parallel weights/biases, the 
 embedding: dim 0; row-parallel weights: dim 1; everything else is replicated); a stage's local layer
 indexes become global ones; the last stage's tied `output_layer.weight` copy is dropped. The result is
 fp32, named as the TP=1 PP=1 model names it (no `_extra_state` entries).
+
+`reshard` merges the same way, re-pads the GPT vocabulary for the new TP if needed, splits with
+`shard` and writes the per-rank module states (megatron-core's `_extra_state` entries kept, so that
+DeepSpeed's strict load accepts them) as a weights-only checkpoint: checkpoint.save_weights_only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+import time
 from pathlib import Path
 
 import torch
 
-from megahet.checkpoint import LATEST, META
+from megahet.checkpoint import LATEST, META, model_states_file, save_weights_only
 from megahet.config import ConfigError, ModelConfig
+from megahet.models.gpt import padded_vocab_size
 
 TIED_COPY = "output_layer.weight"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
@@ -43,6 +53,10 @@ def partition_dim(name: str) -> int | None:
     """TP partition dim of a (TP=1 PP=1) parameter name, or None for a replicated one."""
     match = _LAYER.match(name)
     return _PARTITION.get(match.group(2) if match else name)
+
+
+def num_layers_of(state: dict) -> int:
+    return 1 + max(int(m.group(1)) for k in state if (m := _LAYER.match(k)))
 
 
 def find_checkpoint(path: str | Path) -> tuple[Path, dict]:
@@ -67,11 +81,7 @@ def find_checkpoint(path: str | Path) -> tuple[Path, dict]:
     return folder, meta
 
 
-def model_states_file(mp_rank: int) -> str:
-    return f"mp_rank_{mp_rank:02d}_model_states.pt"
-
-
-def _read_module(file: Path) -> dict[str, torch.Tensor]:
+def _read_module(file: Path) -> dict:
     try:
         states = torch.load(file, map_location="cpu", weights_only=False)  # DeepSpeed's pickle
     except (RuntimeError, EOFError, OSError, ValueError) as err:
@@ -80,11 +90,22 @@ def _read_module(file: Path) -> dict[str, torch.Tensor]:
         ) from None
     if not isinstance(states, dict) or "module" not in states:
         raise ConfigError(f"--load: {file} has no module state (not a DeepSpeed model states file)")
-    return {k: v for k, v in states["module"].items() if torch.is_tensor(v)}
+    return dict(states["module"])  # tensors, and megatron-core's `_extra_state` entries (None)
 
 
-def merge_shards(stages: list[list[dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
-    """stages[pp_rank][tp_rank]: rank-local state dicts -> the unsharded TP=1 PP=1 state (fp32)."""
+def read_stages(folder: Path, meta: dict) -> list[list[dict]]:
+    """The checkpoint's module state dicts, [pp_rank][tp_rank], checked to hold the same names per stage."""
+    tp, pp = meta["layout"]["tp"], meta["layout"]["pp"]
+    stages = [[_read_module(folder / model_states_file(p * tp + t)) for t in range(tp)] for p in range(pp)]
+    for p, shards in enumerate(stages):
+        if any(set(s) != set(shards[0]) for s in shards):
+            raise ConfigError(f"--load: checkpoint {folder}: TP ranks of stage {p} hold different parameters")
+    return stages
+
+
+def merge_shards(stages: list[list[dict]]) -> dict:
+    """stages[pp_rank][tp_rank]: rank-local state dicts -> the unsharded TP=1 PP=1 state (fp32 tensors;
+    non-tensor entries such as megatron-core's `_extra_state` are taken from TP rank 0)."""
     out: dict[str, torch.Tensor] = {}
     first_layer = 0
     for pp_rank, shards in enumerate(stages):
@@ -94,6 +115,9 @@ def merge_shards(stages: list[list[dict[str, torch.Tensor]]]) -> dict[str, torch
                 continue  # the last stage's copy of the tied word embedding
             match = _LAYER.match(name)
             full = f"decoder.layers.{first_layer + int(match.group(1))}.{match.group(2)}" if match else name
+            if not torch.is_tensor(shards[0][name]):
+                out[full] = shards[0][name]
+                continue
             parts = [s[name].float() for s in shards]
             dim = partition_dim(full)
             if dim is None:
@@ -109,20 +133,17 @@ def merge_shards(stages: list[list[dict[str, torch.Tensor]]]) -> dict[str, torch
 
 
 def consolidate(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """The checkpoint's unsharded fp32 state dict and its megahet.json."""
+    """The checkpoint's unsharded fp32 state dict (tensors only) and its megahet.json."""
     folder, meta = find_checkpoint(path)
-    tp, pp = meta["layout"]["tp"], meta["layout"]["pp"]
-    stages = [[_read_module(folder / model_states_file(p * tp + t)) for t in range(tp)] for p in range(pp)]
-    for p, shards in enumerate(stages):
-        if any(set(s) != set(shards[0]) for s in shards):
-            raise ConfigError(f"--load: checkpoint {folder}: TP ranks of stage {p} hold different parameters")
-    return merge_shards(stages), meta
+    merged = merge_shards(read_stages(folder, meta))
+    return {k: v for k, v in merged.items() if torch.is_tensor(v)}, meta
 
 
-def shard(state: dict[str, torch.Tensor], tp: int, pp: int) -> list[list[dict[str, torch.Tensor]]]:
+def shard(state: dict, tp: int, pp: int) -> list[list[dict]]:
     """The inverse of merge_shards for a GPT/ViT state: [pp_rank][tp_rank] rank-local state dicts
-    (layers split evenly over stages, the tied output copy on the last stage of a GPT when PP > 1)."""
-    num_layers = 1 + max(int(m.group(1)) for k in state if (m := _LAYER.match(k)))
+    (layers split evenly over stages, the tied output copy on the last stage of a GPT when PP > 1;
+    non-tensor entries are replicated as they are)."""
+    num_layers = num_layers_of(state)
     if num_layers % pp:
         raise ConfigError(f"{num_layers} layers cannot be split evenly over PP={pp} stages")
     per_stage = num_layers // pp
@@ -139,14 +160,128 @@ def shard(state: dict[str, torch.Tensor], tp: int, pp: int) -> list[list[dict[st
                 targets.append((pp - 1, TIED_COPY))
         else:  # final layernorm, ViT head
             targets = [(pp - 1, name)]
-        dim = partition_dim(name)
+        dim = partition_dim(name) if torch.is_tensor(tensor) else None
         if dim is not None and tensor.shape[dim] % tp:
             raise ConfigError(f"{name}: dim {dim} of size {tensor.shape[dim]} cannot be split over TP={tp}")
         parts = torch.chunk(tensor, tp, dim=dim) if dim is not None else [tensor] * tp
         for stage, local in targets:
             for t in range(tp):
-                stages[stage][t][local] = parts[t].clone()
+                stages[stage][t][local] = parts[t].clone() if torch.is_tensor(parts[t]) else parts[t]
     return stages
+
+
+# --- resharding into a weights-only megahet checkpoint ------------------------------------------
+
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def model_settings(meta: dict, given: ModelConfig | None, command: str) -> ModelConfig:
+    """The model settings megahet.json records (checkpoints saved since they are recorded), else the
+    ones given on the command line (--config / --model.*)."""
+    recorded = meta.get("model")
+    if recorded is not None:
+        known = {f.name for f in dataclasses.fields(ModelConfig)}
+        return ModelConfig(**{k: v for k, v in recorded.items() if k in known})
+    if given is None:
+        raise ConfigError(
+            f"{command}: the checkpoint does not record its model settings (saved by an older megahet): "
+            f"pass the run's --config and/or --model.* settings"
+        )
+    return given
+
+
+def check_reshard(m: ModelConfig, tp: int, pp: int) -> None:
+    """tp and pp must split the model's attention heads, MLP units and layers evenly."""
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"reshard: --tp {tp} --pp {pp}: both must be >= 1")
+    for what, size, ways, flag in (
+        ("attention heads", m.num_attention_heads, tp, "--tp"),
+        ("MLP hidden units (ffn)", m.ffn_size, tp, "--tp"),
+        ("layers", m.num_layers, pp, "--pp"),
+    ):
+        if size % ways:
+            divisors = [d for d in range(1, size + 1) if size % d == 0]
+            raise ConfigError(
+                f"reshard: {size} {what} cannot be split evenly over {flag} {ways}: choose {flag} from {divisors}"
+            )
+
+
+def resharded_vocab_rows(rows: int, m: ModelConfig, src_tp: int, tp: int, vocab_size: int | None) -> int:
+    """The word embedding's rows at TP=tp: the tokenizer's vocabulary padded as build_gpt pads it.
+
+    The checkpoint holds the vocabulary padded for src_tp (`rows`); the real vocabulary V is one of
+    (rows - divisible_by * src_tp, rows]. When those V pad to different sizes at tp, V must be given.
+    """
+    d = m.make_vocab_size_divisible_by
+    if vocab_size is not None:
+        if padded_vocab_size(vocab_size, d, src_tp) != rows:
+            raise ConfigError(
+                f"reshard: --vocab-size {vocab_size} pads to {padded_vocab_size(vocab_size, d, src_tp)} rows at "
+                f"TP {src_tp}, the checkpoint has {rows}: pass the tokenizer's vocabulary size"
+            )
+        return padded_vocab_size(vocab_size, d, tp)
+    sizes = sorted({padded_vocab_size(v, d, tp) for v in range(max(1, rows - d * src_tp + 1), rows + 1)})
+    if len(sizes) > 1:
+        raise ConfigError(
+            f"reshard: the checkpoint's {rows} embedding rows are its vocabulary padded for TP {src_tp}; at TP "
+            f"{tp} it pads to one of {sizes} rows depending on the tokenizer's vocabulary: pass --vocab-size V"
+        )
+    return sizes[0]
+
+
+def repad_vocab(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """(V_padded, h) -> (rows, h): drop padding rows, or add copies of the last row (as Megatron's
+    checkpoint converter does); the real tokens' rows, and so their logits, are unchanged."""
+    if rows <= weight.shape[0]:
+        return weight[:rows].clone()
+    return torch.cat([weight, weight[-1:].expand(rows - weight.shape[0], -1)])
+
+
+def reshard(
+    path: str | Path,
+    out: str | Path,
+    tp: int,
+    pp: int,
+    *,
+    model: ModelConfig | None = None,
+    vocab_size: int | None = None,
+) -> tuple[Path, dict, float]:
+    """Write the checkpoint's weights as a weights-only megahet checkpoint for TP=tp x PP=pp into the
+    new folder `out` (loadable with --train.load out --parallel.tp tp --parallel.pp pp at any DP).
+    `model`: settings for checkpoints that do not record theirs; `vocab_size`: the tokenizer's
+    vocabulary, needed only when the new TP's padding is ambiguous. Returns (folder, meta, seconds)."""
+    t0 = time.perf_counter()
+    out = Path(out).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(
+            f"--out: {out} exists and is not empty: choose a new folder (saved data is never overwritten)"
+        )
+    folder, meta = find_checkpoint(path)
+    m = model_settings(meta, model, "reshard")
+    check_reshard(m, tp, pp)
+    state = merge_shards(read_stages(folder, meta))
+    if num_layers_of(state) != m.num_layers:
+        raise ConfigError(
+            f"reshard: the model settings say {m.num_layers} layers, the checkpoint has {num_layers_of(state)}: "
+            f"pass the training run's --config"
+        )
+    src = meta["layout"]
+    vocab = vocab_size if vocab_size is not None else meta.get("vocab_size")
+    if WORD_EMBEDDING in state:  # GPT: the vocabulary is padded per TP size
+        rows = resharded_vocab_rows(state[WORD_EMBEDDING].shape[0], m, src["tp"], tp, vocab)
+        state[WORD_EMBEDDING] = repad_vocab(state[WORD_EMBEDDING], rows)
+    stages = shard(state, tp, pp)
+    extra = {
+        "model": dataclasses.asdict(m),
+        "resharded_from": {"path": str(folder.resolve()), "layout": src},
+    }
+    if vocab is not None:
+        extra["vocab_size"] = vocab
+    checkpoint = save_weights_only(
+        out, stages, iteration=meta["iteration"], consumed_samples=meta["consumed_samples"], meta=extra
+    )
+    new_meta = json.loads((checkpoint / META).read_text())
+    return checkpoint, new_meta, time.perf_counter() - t0
 
 
 # --- Hugging Face GPT-2 ---------------------------------------------------------------------------
@@ -159,7 +294,7 @@ def _hf_config(state: dict[str, torch.Tensor], m: ModelConfig):
         raise ConfigError("export-hf: not a GPT checkpoint (no embedding.word_embeddings.weight)")
     vocab, hidden = state["embedding.word_embeddings.weight"].shape
     positions = state["embedding.position_embeddings.weight"].shape[0]
-    layers = 1 + max(int(mt.group(1)) for k in state if (mt := _LAYER.match(k)))
+    layers = num_layers_of(state)
     ffn = state["decoder.layers.0.mlp.linear_fc1.weight"].shape[0]
     qkv = state["decoder.layers.0.self_attention.linear_qkv.weight"].shape[0]
     if (m.hidden_size, m.num_layers, m.seq_length) != (hidden, layers, positions):
@@ -200,8 +335,7 @@ def gpt_to_hf(state: dict[str, torch.Tensor], heads: int) -> dict[str, torch.Ten
         "transformer.ln_f.bias": state["decoder.final_layernorm.bias"],
         "lm_head.weight": state["embedding.word_embeddings.weight"],
     }
-    layers = 1 + max(int(mt.group(1)) for k in state if (mt := _LAYER.match(k)))
-    for i in range(layers):
+    for i in range(num_layers_of(state)):
         src, dst = f"decoder.layers.{i}.", f"transformer.h.{i}."
         w, b = state[src + "self_attention.linear_qkv.weight"], state[src + "self_attention.linear_qkv.bias"]
         hidden = w.shape[1]

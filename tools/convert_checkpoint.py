@@ -1,13 +1,18 @@
-"""Convert a megahet checkpoint (any TP x PP): consolidate it, or export it to Hugging Face GPT-2.
+"""Convert a megahet checkpoint (any TP x PP): consolidate it, export it, or reshard it to another TP x PP.
 
     python tools/convert_checkpoint.py consolidate --load ckpt --out model.pt
-    python tools/convert_checkpoint.py export-hf --load ckpt --out hf_gpt2 --config run.yaml
-    python tools/convert_checkpoint.py export-vit --load vit_ckpt --out vit_dir --config run.yaml
+    python tools/convert_checkpoint.py export-hf --load ckpt --out hf_gpt2
+    python tools/convert_checkpoint.py export-vit --load vit_ckpt --out vit_dir
+    python tools/convert_checkpoint.py reshard --load ckpt --out ckpt_tp4 --tp 4 --pp 1 [--vocab-size V]
 
 `--load` is a --train.save folder (its `latest`) or one DIR/iter_NNNNNNN. `consolidate` writes one
-unsharded fp32 state dict (TP=1 PP=1 names; torch.load it). `export-hf` also needs the run's model
-settings the weights do not carry (attention heads, LayerNorm epsilon): pass the training run's
-`--config` and/or `--model.*` overrides. See megahet/convert.py and docs/checkpoints.md.
+unsharded fp32 state dict (TP=1 PP=1 names; torch.load it). The exports and `reshard` need the run's
+model settings (attention heads, LayerNorm epsilon, ...): checkpoints record them in megahet.json;
+for older ones pass the training run's `--config` and/or `--model.*` overrides. `reshard` writes a new
+weights-only checkpoint folder for `pretrain_*.py --train.load OUT --parallel.tp N --parallel.pp M`
+(any DP): weights, step and data position carry over, the optimizer and LR schedule restart.
+`--vocab-size` (the tokenizer's vocabulary) is needed only when the GPT vocabulary's padding at the
+new TP is ambiguous (the error says so). See megahet/convert.py and docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -19,25 +24,44 @@ from pathlib import Path
 import torch
 
 from megahet.config import ConfigError, load_config
-from megahet.convert import consolidate, export_hf, export_vit
+from megahet.convert import consolidate, export_hf, export_vit, find_checkpoint, model_settings, reshard
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["consolidate", "export-hf", "export-vit"])
+    parser.add_argument("command", choices=["consolidate", "export-hf", "export-vit", "reshard"])
     parser.add_argument("--load", required=True, help="checkpoint folder (DIR or DIR/iter_NNNNNNN)")
     parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--tp", type=int, help="reshard: tensor-parallel size of the new checkpoint")
+    parser.add_argument("--pp", type=int, help="reshard: pipeline-parallel size of the new checkpoint")
+    parser.add_argument("--vocab-size", type=int, help="reshard: the tokenizer's vocabulary (GPT), if asked")
     args, rest = parser.parse_known_args(argv)
     try:
-        cfg = load_config(rest)
+        given = load_config(rest).model if rest else None
+        if given is not None and "model" in find_checkpoint(args.load)[1]:
+            print(
+                "convert_checkpoint: note: using the model settings the checkpoint records", file=sys.stderr
+            )
+        if args.command == "reshard":
+            if args.tp is None or args.pp is None:
+                raise ConfigError("reshard needs the new layout: pass --tp N --pp M")
+            folder, meta, seconds = reshard(
+                args.load, args.out, args.tp, args.pp, model=given, vocab_size=args.vocab_size
+            )
+            src = meta["resharded_from"]["layout"]
+            print(
+                f"reshard: step {meta['iteration']}, TP {src['tp']} x PP {src['pp']} -> TP {args.tp} x PP "
+                f"{args.pp}, weights only (loading it restarts the optimizer) -> {folder} in {seconds:.2f} s"
+            )
+            return 0
         state, meta = consolidate(args.load)
         if args.command == "consolidate":
             args.out.parent.mkdir(parents=True, exist_ok=True)
             torch.save(state, args.out)
         elif args.command == "export-hf":
-            export_hf(state, cfg.model, args.out)
+            export_hf(state, model_settings(meta, given, "export-hf"), args.out)
         else:
-            export_vit(state, cfg.model, args.out)
+            export_vit(state, model_settings(meta, given, "export-vit"), args.out)
     except ConfigError as err:
         print(f"convert_checkpoint: error: {err}", file=sys.stderr)
         return 2

@@ -3,7 +3,10 @@ missing folder, no checkpoint, an incomplete or truncated one, another parallel 
 DeepSpeed save / load round trip on a toy model (weights, AdamW moments, LR schedule, RNG streams,
 data position, step-hook state) that continues exactly like the uninterrupted run, atomic saves
 (a crash mid-save leaves the previous checkpoint loadable), keep_last retention, re-saving a step,
-and a corrupt DeepSpeed file named in the error.
+a corrupt DeepSpeed file named in the error, and weights-only checkpoints (what reshard writes): any
+DP / ZeRO stage accepted, another TP x PP refused naming the reshard command, and a load that restores
+weights, step and data position with a fresh optimizer and LR schedule whose next step equals that
+of a new run started from the same weights.
 
 Run: ``python -m pytest tests/unit/test_checkpoint.py -q`` (about 10 s, mostly imports).
 """
@@ -22,7 +25,7 @@ import torch
 
 from megahet import checkpoint
 from megahet.config import ConfigError, MegahetConfig, apply_overrides, validate
-from megahet.engine import build_engine
+from megahet.engine import build_engine, lr_lambda
 
 
 class _Toy(torch.nn.Module):
@@ -216,7 +219,30 @@ def test_other_parallel_layout_is_an_error(tmp_path: Path) -> None:
     checkpoint.check_compatible(resume, _cfg(tmp_path), dp=1)
     with pytest.raises(ConfigError) as err:
         checkpoint.check_compatible(resume, cfg, dp=1)
-    _one_line(err, "TP 1 x PP 1 x DP 1", "TP 2 x PP 1 x DP 1", "same parallel layout")
+    _one_line(
+        err, "TP 1 x PP 1 x DP 1", "TP 2 x PP 1 x DP 1", "same parallel layout", "reshard --tp 2 --pp 1"
+    )
+    with pytest.raises(ConfigError) as err:  # only DP differs: resharding would not help
+        checkpoint.check_compatible(resume, _cfg(tmp_path), dp=2)
+    _one_line(err, "TP 1 x PP 1 x DP 2", "same parallel layout")
+    assert "reshard" not in str(err.value)
+
+
+def test_weights_only_checkpoint_needs_only_the_same_tp_pp(tmp_path: Path) -> None:
+    path = _fake_checkpoint(tmp_path / "ck")
+    meta = json.loads((path / checkpoint.META).read_text())
+    meta.update(weights_only=True, layout={"tp": 1, "pp": 1})
+    (path / checkpoint.META).write_text(json.dumps(meta))
+    resume = checkpoint.find_resume(_cfg(tmp_path, **{"train.load": str(tmp_path / "ck")}))
+    checkpoint.check_compatible(resume, _cfg(tmp_path, **{"parallel.zero_stage": 2}), dp=4)
+    with pytest.raises(ConfigError) as err:
+        checkpoint.check_compatible(resume, _cfg(tmp_path, **{"parallel.pp": 2}), dp=1)
+    _one_line(
+        err,
+        "weights-only checkpoint",
+        "TP 1 x PP 1, this run is TP 1 x PP 2",
+        "reshard it with tools/convert_checkpoint.py reshard --tp 1 --pp 2",
+    )
 
 
 # --- save / load with a real DeepSpeed engine ---------------------------------------------------
@@ -245,7 +271,9 @@ def test_resume_continues_exactly(world1, tmp_path: Path) -> None:
 
     # Saving after the resume records the data position from the start sample on.
     path, _ = checkpoint.save(resumed)
-    assert json.loads((path / checkpoint.META).read_text())["consumed_samples"] == 28
+    meta = json.loads((path / checkpoint.META).read_text())
+    assert meta["consumed_samples"] == 28
+    assert meta["model"] == dataclasses.asdict(cfg.model)  # for the conversion tools
 
 
 def test_hook_state_for_other_settings_is_not_loaded(world1, tmp_path: Path) -> None:
@@ -310,3 +338,41 @@ def test_corrupt_deepspeed_file_is_named(world1, tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         checkpoint.load(_trainer(cfg, world1), checkpoint.find_resume(cfg))
     _one_line(err, str(bad), "truncated or corrupt")
+
+
+def test_weights_only_load_restarts_the_optimizer(world1, tmp_path: Path) -> None:
+    """A weights-only checkpoint of step 3 loads under ZeRO-2 (saved under ZeRO-1): weights, step and
+    consumed samples come back, the optimizer and LR schedule start fresh, and the next step equals
+    that of a new engine built on the same weights (so DeepSpeed's fp32 master copy holds them)."""
+    trainer = _trainer(_cfg(tmp_path), world1)
+    _steps(trainer, 3)
+    weights = _params(trainer)
+    root = tmp_path / "weights"
+    folder = checkpoint.save_weights_only(root, [[weights]], iteration=3, consumed_samples=12, meta={})
+    assert (root / checkpoint.LATEST).read_text() == folder.name == "iter_0000003"
+
+    cfg = _cfg(tmp_path, **{"train.load": str(root), "parallel.zero_stage": 2})
+    resume = checkpoint.find_resume(cfg)
+    checkpoint.check_compatible(resume, cfg, dp=1)
+    loaded = _trainer(cfg, world1)
+    checkpoint.load(loaded, resume)
+    assert (loaded.iteration, loaded.start_iteration, loaded.start_sample) == (3, 3, 12)
+    assert any("weights-only" in m and "optimizer" in m and "restart" in m for m in loaded.messages)
+    assert loaded.step_hooks[0].count == 0  # hook state starts fresh
+    for name, value in _params(loaded).items():
+        assert torch.equal(value, weights[name]), name
+    first_lr = cfg.train.lr * lr_lambda(cfg)(0)  # the schedule's step 0: warmup starts again
+    assert loaded.engine.get_lr() == pytest.approx([first_lr] * 2)  # two parameter groups
+    assert trainer.engine.get_lr() != pytest.approx([first_lr] * 2)
+
+    torch.manual_seed(0)
+    fresh_model = _Toy()
+    fresh_model.load_state_dict(weights)
+    fresh = types.SimpleNamespace(engine=build_engine(cfg, fresh_model, 1, {}), iteration=0, step_hooks=[])
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    expected = _steps(fresh, 2)
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    assert _steps(loaded, 2) == expected
+    for name, value in _params(loaded).items():
+        assert torch.equal(value, _params(fresh)[name]), name
+    assert not torch.equal(_params(loaded)["proj.weight"], weights["proj.weight"])

@@ -1,53 +1,90 @@
-"""Conversion of a real TP=2 x PP=2 checkpoint (workers/convert_train.py: 3 pretrain_gpt steps, 4 ranks).
+"""Conversion of real checkpoints (workers/convert_train.py; two 4-rank launches, ~2 min on 2 cores).
 
-The launch saves the checkpoint and the sharded model's logits on fixed tokens. Here (one process):
-`tools/convert_checkpoint.py consolidate` -> a TP=1 GPT must give the same logits; `export-hf` -> a
-GPT2LMHeadModel must give them too, and greedy generation equal to megahet's own greedy loop (~40 s).
+Launch 1 trains pretrain_gpt at TP=2 x PP=2 and pretrain_vit at TP=2 x PP=2 for 3 steps each, saving
+at the end, and records each sharded model's logits on fixed inputs. Here (one process):
+- `consolidate` -> a TP=1 GPT gives the same logits; `export-hf` -> GPT2LMHeadModel gives them too,
+  and greedy generation equal to megahet's own greedy loop;
+- `export-vit` -> `load_vit_export` -> a single-process ViT reproduces the trained ViT's logits;
+- `reshard` GPT TP2xPP2 -> TP1xPP1 -> TP4xPP1 and ViT TP2xPP2 -> TP1xPP1; launch 2 loads each
+  resharded checkpoint through `setup()` (--train.load; TP1 at DP=4 with ZeRO-2, TP4 at DP=1) and
+  must give the original logits, then train one more step from the saved step and data position with
+  a fresh optimizer (same loss and gradient norm at TP1 and TP4).
 
 Run: ``python -m pytest tests/distributed/test_convert_distributed.py -q``
 """
 
 from __future__ import annotations
 
+import json
 import sys
+import time
 
+import pytest
 import torch
 from harness import GPT_MODEL, REPO, compare, torchrun
 
 from megahet.config import load_config
+from megahet.engine import lr_lambda
 from megahet.models.gpt import build_gpt
 
-RUN = [
-    "--parallel.tp", "2", "--parallel.pp", "2",
-    "--train.train_iters", "3", "--train.micro_batch_size", "2", "--train.global_batch_size", "4",
-    "--train.lr_warmup_iters", "1", "--train.eval_interval", "100", "--train.eval_iters", "1",
-    "--logging.wandb", "false",
+COMMON = [
+    "--train.micro_batch_size", "1", "--train.global_batch_size", "4", "--train.lr_warmup_iters", "1",
+    "--train.eval_interval", "100", "--train.eval_iters", "1", "--logging.wandb", "false",
 ]  # fmt: skip
+TP2_PP2 = ["--parallel.tp", "2", "--parallel.pp", "2"]
+VIT_MODEL = ["--model.num_layers", "2", "--model.hidden_size", "32", "--model.num_attention_heads", "4",
+             "--model.patch_size", "7"]  # fmt: skip
+VOCAB = 1024  # the gpt_data tokenizer's vocabulary (conftest.VOCAB_SIZE)
 
 
-def test_tp2_pp2_checkpoint_consolidates_and_exports(gpt_data, world1, tmp_path):
-    from transformers import GPT2LMHeadModel
-
-    sys.path.insert(0, str(REPO / "tools"))
+def convert(argv: list[str]) -> int:
+    """tools/convert_checkpoint.py's main() in this process; its exit status."""
+    if str(REPO / "tools") not in sys.path:
+        sys.path.insert(0, str(REPO / "tools"))
     from convert_checkpoint import main
 
-    ckpt = tmp_path / "ck"
-    torchrun("workers/convert_train.py", 4, ["--out", str(tmp_path), "--", *GPT_MODEL, *gpt_data, *RUN,
-             "--train.save", str(ckpt)], cwd=tmp_path)  # fmt: skip
-    saved = torch.load(tmp_path / "logits.pt")
-    tokens, expected = saved["tokens"], saved["logits"]
+    return main(argv)
 
-    assert main(["consolidate", "--load", str(ckpt), "--out", str(tmp_path / "model.pt")]) == 0
-    model = build_gpt(load_config(GPT_MODEL), 1024).eval()
-    missing, unexpected = model.load_state_dict(torch.load(tmp_path / "model.pt"), strict=False)
+
+def launch(out, jobs: list[dict]) -> tuple[dict[str, dict], str]:
+    (out / "jobs.json").write_text(json.dumps(jobs))
+    log = torchrun(
+        "workers/convert_train.py", 4, ["--out", str(out), "--jobs", str(out / "jobs.json")], cwd=out
+    )
+    return {job["name"]: torch.load(out / f"{job['name']}.pt", weights_only=False) for job in jobs}, log
+
+
+@pytest.fixture(scope="module")
+def trained(gpt_data, tmp_path_factory):
+    """Launch 1: GPT and ViT, TP=2 x PP=2, 3 steps, saved into out/gpt_ck and out/vit_ck."""
+    out = tmp_path_factory.mktemp("convert")
+    gpt = [*GPT_MODEL, *gpt_data, *COMMON, *TP2_PP2, "--train.train_iters", "3"]
+    vit = [*VIT_MODEL, *COMMON, *TP2_PP2, "--train.train_iters", "3"]
+    jobs = [
+        {"name": "gpt", "task": "gpt", "argv": [*gpt, "--train.save", str(out / "gpt_ck")]},
+        {"name": "vit", "task": "vit", "argv": [*vit, "--train.save", str(out / "vit_ck")]},
+    ]
+    results, _ = launch(out, jobs)
+    return out, results, {"gpt": gpt, "vit": vit}
+
+
+def test_tp2_pp2_checkpoint_consolidates_and_exports(trained, world1):
+    from transformers import GPT2LMHeadModel
+
+    out, results, _ = trained
+    tokens, expected = results["gpt"]["inputs"], results["gpt"]["after"]
+    assert convert(["consolidate", "--load", str(out / "gpt_ck"), "--out", str(out / "model.pt")]) == 0
+    model = build_gpt(load_config(GPT_MODEL), VOCAB).eval()
+    missing, unexpected = model.load_state_dict(torch.load(out / "model.pt"), strict=False)
     assert not unexpected and all(k.endswith("_extra_state") for k in missing)
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     with torch.no_grad():
         logits = model(tokens, positions, None)
     compare("convert tp2pp2", "consolidated TP1 logits", logits, expected)
 
-    assert main(["export-hf", "--load", str(ckpt), "--out", str(tmp_path / "hf"), *GPT_MODEL]) == 0
-    hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    # the checkpoint records its model settings: export-hf needs no --model.*
+    assert convert(["export-hf", "--load", str(out / "gpt_ck"), "--out", str(out / "hf")]) == 0
+    hf = GPT2LMHeadModel.from_pretrained(out / "hf").eval()
     with torch.no_grad():
         hf_logits = hf(tokens).logits
     compare("convert tp2pp2", "HF GPT-2 logits", hf_logits, expected)
@@ -63,3 +100,68 @@ def test_tp2_pp2_checkpoint_consolidates_and_exports(gpt_data, world1, tmp_path)
     theirs = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False,
                          pad_token_id=0)  # fmt: skip
     assert torch.equal(theirs, ours)
+
+
+def test_vit_export_reproduces_the_trained_logits(trained, world1):
+    import dataclasses
+
+    from megahet.config import MegahetConfig
+    from megahet.convert import load_vit_export
+    from megahet.models.vit import build_vit
+
+    out, results, _ = trained
+    assert convert(["export-vit", "--load", str(out / "vit_ck"), "--out", str(out / "vit")]) == 0
+    model_cfg, state = load_vit_export(out / "vit")
+    assert (model_cfg.num_layers, model_cfg.hidden_size, model_cfg.patch_size) == (2, 32, 7)
+    model = build_vit(dataclasses.replace(MegahetConfig(), model=model_cfg)).eval()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all(k.endswith("_extra_state") for k in missing)
+    with torch.no_grad():
+        logits = model(results["vit"]["inputs"])  # (8, 10)
+    compare("convert vit tp2pp2", "exported ViT logits", logits, results["vit"]["after"])
+
+
+def test_resharded_checkpoints_load_and_continue(trained, capsys):
+    out, results, argv = trained
+    t0 = time.perf_counter()
+    assert convert(["reshard", "--load", str(out / "gpt_ck"), "--out", str(out / "gpt_tp1"), "--tp", "1",
+                    "--pp", "1", "--vocab-size", str(VOCAB)]) == 0  # fmt: skip
+    seconds = time.perf_counter() - t0
+    assert convert(["reshard", "--load", str(out / "gpt_tp1"), "--out", str(out / "gpt_tp4"), "--tp", "4",
+                    "--pp", "1"]) == 0  # fmt: skip
+    assert convert(["reshard", "--load", str(out / "vit_ck"), "--out", str(out / "vit_tp1"), "--tp", "1",
+                    "--pp", "1"]) == 0  # fmt: skip
+    assert "TP 2 x PP 2 -> TP 1 x PP 1, weights only" in capsys.readouterr().out
+    print(f"reshard GPT TP2xPP2 -> TP1: {seconds:.2f} s")
+    # saved data is never overwritten
+    assert convert(["reshard", "--load", str(out / "gpt_ck"), "--out", str(out / "gpt_tp1"), "--tp", "2",
+                    "--pp", "1"]) == 2  # fmt: skip
+
+    one_more = ["--train.train_iters", "4"]
+    jobs = [
+        {"name": "tp1", "task": "gpt", "argv": [*argv["gpt"], *one_more, "--parallel.tp", "1", "--parallel.pp",
+                                               "1", "--parallel.zero_stage", "2", "--train.load",
+                                               str(out / "gpt_tp1")]},
+        {"name": "tp4", "task": "gpt", "argv": [*argv["gpt"], *one_more, "--parallel.tp", "4", "--parallel.pp",
+                                               "1", "--train.load", str(out / "gpt_tp4")]},
+        {"name": "vit_tp1", "task": "vit", "argv": [*argv["vit"], *one_more, "--parallel.tp", "1",
+                                                   "--parallel.pp", "1", "--train.load", str(out / "vit_tp1")]},
+    ]  # fmt: skip
+    loaded, log = launch(out, jobs)
+    assert log.count("is a weights-only checkpoint") == 3 and "the LR schedule restart" in log
+
+    for name, source in (("tp1", "gpt"), ("tp4", "gpt"), ("vit_tp1", "vit")):
+        run = loaded[name]
+        compare(f"reshard {name}", "loaded logits", run["before"], results[source]["after"])
+        assert (run["start_iteration"], run["start_sample"], run["iteration"]) == (3, 12, 4), name
+        (step,) = run["history"]  # one step, from the saved step on, with a fresh optimizer and schedule
+        # a step records the LR set for the next one: the fresh schedule's step 1 (continued: step 4)
+        cfg = run["cfg"]
+        fresh, continued = (cfg.train.lr * lr_lambda(cfg)(i) for i in (1, 4))
+        assert step["lr"] == pytest.approx(fresh) and fresh != pytest.approx(continued), name
+        assert torch.isfinite(torch.tensor(step["loss"])), name
+        assert (run["after"] - run["before"]).abs().max() > 1e-4, f"{name}: the step changed nothing"
+    # the same weights and samples give the same loss and gradients at TP1 x DP4 (ZeRO-2) and TP4 x DP1
+    tp1, tp4 = loaded["tp1"]["history"][0], loaded["tp4"]["history"][0]
+    compare("reshard tp1 vs tp4", "step 4 loss, grad norm", torch.tensor([tp1["loss"], tp1["grad_norm"]]),
+            torch.tensor([tp4["loss"], tp4["grad_norm"]]))  # fmt: skip

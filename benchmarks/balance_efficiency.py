@@ -1,0 +1,280 @@
+"""How close the balancer gets to the physical limit: E = T_opt / T_measured per profile x mode.
+
+    python benchmarks/balance_efficiency.py                      # every profile (~30 min on 2 cores)
+    python benchmarks/balance_efficiency.py --profiles tp4_4x --steps 16   # one, shorter
+
+For each straggler profile, real torchrun launches of pretrain_gpt.py (a small GPT with many heads
+so that whole units can follow the speeds; virtual devices, `--balance.trace`) run the same job in
+four modes — static, resize, migrate, semi — and once on its homogeneous *twin*: every device at the
+profile's mean speed at that step (same total speed, same all-reduces, same framework overhead).
+T_opt is the twin's measured step time, so communication and overheads cancel (DESIGN.md §2). Runs of
+one profile follow each other, so machine noise hits them alike. Static profiles start homogeneous
+for `--warmup` steps, so that the straggler's arrival is an event the balancer must react to.
+
+Per profile x mode: median step time over the steps after the warm-up, T_opt (the twin's median),
+E = T_opt / T, the speed-up over static, and the reaction: after each change of the speeds (not the
+first, which is the warm-up), the steps until the step time is within 5 % of the twin's at that
+phase (max over changes). Also the compute-only bound mean(s) / min(s) and the balancer's overhead
+on a homogeneous group (static without any balancer vs semi, interleaved runs).
+
+Writes benchmarks/results/balance_efficiency.{md,json,png}; traces and per-run PNGs go to
+benchmarks/results/balance_efficiency_runs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import RESULTS, markdown_table, save_results
+from megahet.balance.plot import plot_trace, read_trace
+from megahet.devices import parse_profile
+
+RUNS = RESULTS / "balance_efficiency_runs"
+MODES = ("static", "resize", "migrate", "semi")
+# A small GPT whose blocks have many units per rank (64 heads: 16 per rank at TP=4, 8 at TP=8), so a
+# 1/8-speed rank's share is still a whole number of heads; seq 64 x micro-batch 2 per step; a 1k
+# vocabulary keeps the (unbalanced, equal on every rank) output layer small.
+MODEL = [
+    *("--model.num_layers", "2", "--model.hidden_size", "256", "--model.num_attention_heads", "64"),
+    *("--model.ffn_hidden_size", "1024", "--model.seq_length", "64", "--data.vocab_size", "1024"),
+    *("--train.micro_batch_size", "2", "--train.global_batch_size", "2"),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    name: str
+    tp: int
+    spec: str
+    """A megahet device profile (what --device.profile takes)."""
+    steps: int
+
+    def speeds(self, step: int) -> list[float]:
+        profile = parse_profile(self.spec)
+        return [profile.speed(r, step, self.tp) for r in range(self.tp)]
+
+    def twin(self) -> str:
+        """A schedule profile giving every rank the mean speed of this profile at each step."""
+        entries, last = [], None
+        for step in range(self.steps):
+            mean = statistics.fmean(self.speeds(step))
+            if mean != last:
+                entries.append(f"{step}=" + ",".join([f"{mean:.6f}"] * self.tp))
+                last = mean
+        return "schedule:" + ";".join(entries)
+
+    def changes(self, first: int) -> list[int]:
+        """Steps at or after `first` where the speeds change."""
+        return [s for s in range(max(first, 1), self.steps) if self.speeds(s) != self.speeds(s - 1)]
+
+
+def straggler(name: str, tp: int, speeds: list[float], warmup: int, steps: int) -> Profile:
+    fmt = ",".join(f"{s:.6g}" for s in speeds)
+    return Profile(name, tp, f"schedule:0={','.join(['1'] * tp)};{warmup}={fmt}", steps)
+
+
+def profiles(warmup: int, steps: int) -> list[Profile]:
+    return [
+        straggler("tp4_2x", 4, [1, 1, 1, 1 / 2], warmup, steps),
+        straggler("tp4_4x", 4, [1, 1, 1, 1 / 4], warmup, steps),
+        straggler("tp4_8x", 4, [1, 1, 1, 1 / 8], warmup, steps),
+        straggler("tp8_mixed", 8, [1 / 8, 1 / 6, 1 / 4, 1 / 2, 1, 1, 1, 1], warmup, steps),
+        Profile("tp4_rotating_4x", 4, "rotating:4,8", 4 * 8),
+        # Seed 10: episodes with rank 2, ranks 0+2, ranks 0+3 slow (of 4), switching every 20 steps.
+        Profile("tp4_contention_4x", 4, "contention:4,20,10", 50),
+    ]
+
+
+def launch(tp: int, args: list[str], port: int, log: Path) -> float:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(tp)]
+    cmd += ["--master_port", str(port), "pretrain_gpt.py", "--parallel.tp", str(tp), *MODEL, *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    t0 = time.perf_counter()
+    with log.open("w") as out:
+        done = subprocess.run(cmd, check=False, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    if done.returncode:
+        raise SystemExit(f"balance_efficiency: a run failed ({log}); last lines:\n" + log.read_text()[-3000:])
+    return time.perf_counter() - t0
+
+
+def run(profile: Profile, mode: str, spec: str, rate: float, port: int) -> list[dict]:
+    name = f"{profile.name}_{mode}"
+    trace = RUNS / f"{name}.jsonl"
+    args = f"--device.profile {spec} --device.rate_gflops {rate} --balance.mode {'static' if mode == 'twin' else mode}"
+    args += (
+        f" --balance.trace {trace} --train.train_iters {profile.steps} --train.log_interval {profile.steps}"
+    )
+    args += f" --train.eval_interval {10 * profile.steps} --train.eval_iters 1 --logging.wandb false"
+    args += f" --logging.log_dir {RUNS / 'logs'}"
+    wall = launch(profile.tp, args.split(), port, RUNS / f"{name}.log")
+    print(f"  {name}: {wall:.0f} s", flush=True)
+    return read_trace(trace)
+
+
+def reaction(times: list[float], twin: list[float], changes: list[int], steps: int) -> int:
+    """Max over the speed changes of the steps until the step time is within 5 % of the twin's
+    median over that phase."""
+    worst = 0
+    bounds = [*changes, steps]
+    for start, end in itertools.pairwise(bounds):
+        ideal = statistics.median(twin[start:end])
+        late = next((k for k in range(end - start) if times[start + k] <= 1.05 * ideal), end - start)
+        worst = max(worst, late)
+    return worst
+
+
+def bench_profile(profile: Profile, warmup: int, rate: float, port: int) -> tuple[list[dict], dict]:
+    traces = {
+        mode: run(profile, mode, profile.twin() if mode == "twin" else profile.spec, rate, port)
+        for mode in ("twin", *MODES)
+    }
+    times = {mode: [r["step_s"] for r in rows] for mode, rows in traces.items()}
+    measured = slice(warmup, profile.steps)
+    t_opt = statistics.median(times["twin"][measured])
+    static = statistics.median(times["static"][measured])
+    bound = statistics.median(
+        statistics.fmean(s) / min(s) for s in (profile.speeds(t) for t in range(warmup, profile.steps))
+    )
+    rows = []
+    for mode in MODES:
+        t = statistics.median(times[mode][measured])
+        react = (
+            None
+            if mode == "static"
+            else reaction(times[mode], times["twin"], profile.changes(warmup), profile.steps)
+        )
+        rows.append(
+            {
+                "profile": profile.name,
+                "mode": mode,
+                "step_time_s": t,
+                "t_opt_s": t_opt,
+                "efficiency": t_opt / t,
+                "speedup_vs_static": static / t,
+                "reaction_steps": react,
+                "compute_bound": bound,
+                "online_eff": statistics.median(r["efficiency"][0] for r in traces[mode][measured]),
+            }
+        )
+        plot_trace(
+            RUNS / f"{profile.name}_{mode}.jsonl",
+            RUNS / f"{profile.name}_{mode}.png",
+            title=f"{profile.name}, {mode}: {profile.spec}",
+        )
+    return rows, times
+
+
+def overhead(rate: float, steps: int, repeats: int, port: int) -> dict:
+    """Median step time on a homogeneous TP=4 group: no balancer at all vs semi (which measures,
+    gathers and plans every step but never moves anything), interleaved."""
+    samples = {"off": [], "semi": []}
+    for i in range(repeats):
+        for mode in samples:
+            metrics = RUNS / f"overhead_{mode}_{i}.jsonl"
+            metrics.unlink(missing_ok=True)
+            args = f"--device.profile static:1,1,1,1 --device.rate_gflops {rate} --train.train_iters {steps}"
+            args += f" --train.log_interval 1 --train.eval_interval {10 * steps} --train.eval_iters 1"
+            args += (
+                f" --logging.wandb false --logging.metrics_file {metrics} --logging.log_dir {RUNS / 'logs'}"
+            )
+            if mode == "semi":
+                args += " --balance.mode semi"
+            launch(4, args.split(), port, RUNS / f"overhead_{mode}_{i}.log")
+            rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+            samples[mode] += [r["step_time_s"] for r in rows if "step_time_s" in r][2:]
+    off, semi = statistics.median(samples["off"]), statistics.median(samples["semi"])
+    return {"off_step_s": off, "semi_step_s": semi, "overhead": semi / off - 1, "steps": len(samples["off"])}
+
+
+def plot(all_times: dict[str, dict[str, list[float]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, (len(all_times) + 1) // 2, figsize=(15, 7), squeeze=False)
+    for ax, (name, times) in zip(axes.flat, all_times.items()):
+        for mode, values in times.items():
+            ax.plot(
+                values,
+                label=mode,
+                color="black" if mode == "twin" else None,
+                linestyle="--" if mode == "twin" else "-",
+            )
+        ax.set_title(name)
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_ylabel("step time (s)")
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profiles", nargs="*", default=None, help="names to run (default: all)")
+    parser.add_argument("--warmup", type=int, default=4, help="homogeneous steps before a static straggler")
+    parser.add_argument("--steps", type=int, default=20, help="steps of the static-straggler profiles")
+    parser.add_argument(
+        "--rate-per-rank",
+        type=float,
+        default=0.15,
+        help="GFLOP/s of a speed-1 device per TP rank (TP x this): ~0.5 s of compute a step",
+    )
+    parser.add_argument("--overhead-repeats", type=int, default=2, help="0 skips the overhead runs")
+    parser.add_argument("--name", default="balance_efficiency")
+    args = parser.parse_args(argv)
+    RUNS.mkdir(parents=True, exist_ok=True)
+    chosen = [
+        p for p in profiles(args.warmup, args.steps) if args.profiles is None or p.name in args.profiles
+    ]
+    if not chosen:
+        raise SystemExit(f"balance_efficiency: no profile named {args.profiles}")
+    rows, all_times = [], {}
+    t0 = time.perf_counter()
+    for i, profile in enumerate(chosen):
+        print(f"{profile.name} (TP={profile.tp}, {profile.spec}, twin {profile.twin()})", flush=True)
+        profile_rows, all_times[profile.name] = bench_profile(
+            profile, args.warmup, args.rate_per_rank * profile.tp, 29800 + i
+        )
+        rows += profile_rows
+        print(markdown_table(profile_rows, list(profile_rows[0])), flush=True)
+    meta = {
+        "model": " ".join(MODEL),
+        "warmup": args.warmup,
+        "rate_per_rank_gflops": args.rate_per_rank,
+        "profiles": {p.name: p.spec for p in chosen},
+    }
+    if args.overhead_repeats:
+        meta["balancer_overhead"] = overhead(args.rate_per_rank * 4, args.steps, args.overhead_repeats, 29890)
+        print(f"balancer overhead on a homogeneous TP=4 group: {meta['balancer_overhead']}", flush=True)
+    meta["wall_s"] = time.perf_counter() - t0
+    columns = [
+        "profile",
+        "mode",
+        "step_time_s",
+        "t_opt_s",
+        "efficiency",
+        "speedup_vs_static",
+        "reaction_steps",
+        "compute_bound",
+    ]
+    folder = save_results(args.name, rows, columns, meta)
+    plot(all_times, folder / f"{args.name}.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -411,6 +411,22 @@ def test_deepspeed_zero_leaves_dropped_units_untouched(world1, tmp_path: Path, z
                 )
 
 
+def run_controller(controller, model, optimizer, steps, before_step=lambda t: None) -> list[dict]:
+    """Train `model` with `controller` as the Trainer would; returns each step's plan."""
+    engine = type("Engine", (), {"optimizer": optimizer})()
+    plans = []
+    for t in steps:
+        before_step(t)
+        controller.before_forward_backward(t)
+        optimizer.zero_grad(set_to_none=True)
+        backward(model, batches(t))
+        controller.before_step(engine)
+        optimizer.step()
+        controller.after_step(engine)
+        plans.append(controller.executor.plan.to_dict())
+    return plans
+
+
 def test_controller_state_round_trip_resumes_the_same_plans(world1) -> None:
     """Model + optimizer + ResizeController restored from their state dicts at step 5 continue with
     exactly the plans (priority selection, 'same' imputation) and weights the uninterrupted run has."""
@@ -426,20 +442,10 @@ def test_controller_state_round_trip_resumes_the_same_plans(world1) -> None:
     cfg = load_config(args.split())
     model = gpt()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine = type("Engine", (), {"optimizer": optimizer})()
     ctrl = ResizeController(cfg, model, current_layout(), num_microbatches=2)
 
     def run(controller, first, last):
-        plans = []
-        for t in range(first, last):
-            controller.before_forward_backward(t)
-            optimizer.zero_grad(set_to_none=True)
-            backward(model, batches(t))
-            controller.before_step(engine)
-            optimizer.step()
-            controller.after_step(engine)
-            plans.append(controller.executor.plan.to_dict())
-        return plans
+        return run_controller(controller, model, optimizer, range(first, last))
 
     run(ctrl, 0, 5)
     saved = copy.deepcopy((model.state_dict(), optimizer.state_dict(), ctrl.state_dict()))
@@ -469,18 +475,14 @@ def test_controller_resizes_a_rank_the_balancer_names_for_the_first_time(world1)
     cfg = load_config(["--resize.enabled", "true", "--resize.selection", "priority"])
     model = gpt()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine = type("Engine", (), {"optimizer": optimizer})()
     ctrl = ResizeController(cfg, model, current_layout(), num_microbatches=2)
-    for t in range(3):
+
+    def balancer(t):
         if t == 1:
             ctrl.gammas = {(0, 0): 0.5}  # what BalanceController does
             ctrl.request_replan()
-        ctrl.before_forward_backward(t)
-        optimizer.zero_grad(set_to_none=True)
-        backward(model, batches(t))
-        ctrl.before_step(engine)
-        optimizer.step()
-        ctrl.after_step(engine)
+
+    run_controller(ctrl, model, optimizer, range(3), balancer)
     for block, n in ctrl.units.items():
         dropped = ctrl.executor.plan.dropped(block, 0, 0)
         assert len(dropped) == n // 2

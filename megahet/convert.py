@@ -224,7 +224,8 @@ def resharded_vocab_rows(rows: int, m: ModelConfig, src_tp: int, tp: int, vocab_
     if len(sizes) > 1:
         raise ConfigError(
             f"reshard: the checkpoint's {rows} embedding rows are its vocabulary padded for TP {src_tp}; at TP "
-            f"{tp} it pads to one of {sizes} rows depending on the tokenizer's vocabulary: pass --vocab-size V"
+            f"{tp} it pads to one of {sizes} rows depending on the tokenizer's vocabulary: pass --vocab-size V "
+            f"(the tokenizer's size; data.vocab_size for the shipped corpus)"
         )
     return sizes[0]
 

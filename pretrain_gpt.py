@@ -111,6 +111,7 @@ def build(cfg: MegahetConfig, layout: ParallelLayout) -> Task:
     sampling = {"micro_batch_size": t.micro_batch_size, "dp_rank": layout.dp_rank, "dp_size": layout.dp_size}
     return Task(
         model=build_gpt(cfg, tokenizer.vocab_size),
+        vocab_size=tokenizer.vocab_size,
         seq_length=cfg.model.seq_length,
         train_data=micro_batches(
             train_set, global_batch_size=t.global_batch_size, start_sample=start_sample(cfg), **sampling

@@ -285,6 +285,8 @@ def save(trainer) -> tuple[Path, float]:
             "world_size": layout.world_size,
             "model": dataclasses.asdict(cfg.model),
         }
+        if trainer.task.vocab_size is not None:  # the tokenizer's: a reshard re-pads it for another TP
+            meta["vocab_size"] = trainer.task.vocab_size
         final = _publish(tmp, meta)
         keep = cfg.train.keep_last
         if keep > 0:

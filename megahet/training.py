@@ -51,6 +51,8 @@ class Task:
     eval_summary: Callable[[dict[str, float]], dict[str, float]]
     """Summed evaluation metrics (over micro-batches and DP) -> reported metrics."""
     tokens_per_sample: int = 1
+    vocab_size: int | None = None
+    """The tokenizer's vocabulary (before padding), recorded in checkpoints for resharding."""
 
 
 @dataclasses.dataclass

@@ -91,6 +91,7 @@ def _trainer(cfg: MegahetConfig, layout, hook_mode: str = "a"):
         start_iteration=0,
         start_sample=0,
         step_hooks=[_CountingHook(hook_mode)],
+        task=types.SimpleNamespace(vocab_size=1000),  # recorded for resharding
         logger=logger,
         messages=messages,
     )
@@ -324,7 +325,7 @@ def test_keep_last_and_same_step_saved_again(world1, tmp_path: Path) -> None:
     trainer.cfg.train.keep_last = 0
     path, _ = checkpoint.save(trainer)
     assert path.name == "iter_0000004_2" and (root / "latest").read_text() == "iter_0000004_2"
-    assert (root / "iter_0000004" / checkpoint.META).is_file()
+    assert json.loads((root / "iter_0000004" / checkpoint.META).read_text())["vocab_size"] == 1000
 
 
 def test_corrupt_deepspeed_file_is_named(world1, tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ import torch
 import yaml
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megahet.platform import synchronize
 from megahet.tensor_parallel.blocks import find_blocks
 
 
@@ -161,19 +162,23 @@ def attach_virtual_device(model: torch.nn.Module, device: VirtualDevice) -> list
             return sum(b.executed_flops for b in mine)
 
         def forward_pre(module, args, state=state, flops=flops):
+            synchronize()  # on a GPU, time the region's kernels, not their launch
             state["t0"], state["f0"] = time.perf_counter(), flops()
 
         def forward_post(module, args, output, state=state, flops=flops, pending=pending):
             work = flops() - state["f0"]
             if torch.is_grad_enabled():
                 pending.append(work)
+            synchronize()
             device.charge(work, time.perf_counter() - state["t0"])
 
         def backward_pre(module, grad_output, state=state):
+            synchronize()
             state["b0"] = time.perf_counter()
 
         def backward_post(module, grad_input, grad_output, state=state, pending=pending):
             work = 2 * pending.popleft() if pending else 0  # input and weight gradients
+            synchronize()
             device.charge(work, time.perf_counter() - state["b0"])
 
         handles += [

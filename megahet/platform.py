@@ -21,6 +21,12 @@ import torch
 _APPLIED: list[str] = []
 
 
+def synchronize() -> None:
+    """Wait for the GPU's queued kernels (timing real compute); nothing to wait for on CPU."""
+    if cuda_available():
+        torch.cuda.synchronize()
+
+
 def cuda_available() -> bool:
     return torch.cuda.is_available()
 

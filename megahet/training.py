@@ -29,7 +29,7 @@ from megahet.config import ConfigError, HelpRequested, MegahetConfig, config_hel
 from megahet.engine import build_engine, fold_deepspeed_json
 from megahet.logging import TrainingLogger
 from megahet.parallel import ParallelLayout, initialize_parallel
-from megahet.platform import cuda_available
+from megahet.platform import cuda_available, synchronize
 
 ForwardStep = Callable[[Iterator[dict], torch.nn.Module], tuple[torch.Tensor, Callable]]
 
@@ -65,11 +65,15 @@ class TaskSpec:
     """Run once on global rank 0 before the others build (e.g. tokenizer and data preparation)."""
 
 
+COMPUTE_REGIONS = ("forward-compute", "backward-compute")
+
+
 class ComputeTimers:
     """megatron-core's `config.timers` interface, keeping the forward and backward compute seconds.
 
     The schedule times 'forward-compute' and 'backward-compute' around the model's own work;
-    pipeline send/receive waits fall outside them.
+    pipeline send/receive waits fall outside them. On a GPU both ends synchronize, so the time is
+    the kernels' and not just their launch.
     """
 
     class _Timer:
@@ -77,10 +81,13 @@ class ComputeTimers:
             self.owner, self.name, self.t0 = owner, name, None
 
         def start(self, barrier: bool = False) -> None:
+            if self.name in COMPUTE_REGIONS:
+                synchronize()
             self.t0 = time.perf_counter()
 
         def stop(self) -> None:
-            if self.t0 is not None and self.name in ("forward-compute", "backward-compute"):
+            if self.t0 is not None and self.name in COMPUTE_REGIONS:
+                synchronize()
                 self.owner.compute_s += time.perf_counter() - self.t0
             self.t0 = None
 

@@ -340,3 +340,17 @@ def test_apply_is_a_no_op_when_cuda_is_available() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "NO-OP OK" in proc.stdout
+
+
+def test_synchronize_waits_for_the_gpu_only_when_there_is_one(monkeypatch):
+    """Compute timers and virtual devices time kernels, not launches: on a GPU they synchronize."""
+    from megahet import platform
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append(1))
+    monkeypatch.setattr(platform, "cuda_available", lambda: False)
+    platform.synchronize()
+    assert calls == []
+    monkeypatch.setattr(platform, "cuda_available", lambda: True)
+    platform.synchronize()
+    assert calls == [1]

@@ -1,9 +1,13 @@
-"""Shared helpers of the benchmark scripts: result files (Markdown table + JSON) and timing."""
+"""Shared helpers of the benchmark scripts: result files (Markdown table + JSON), timing, torchrun launches."""
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,3 +47,36 @@ def interleaved_medians(
             fn()
             samples[key].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in samples.items()}
+
+
+ROOT = RESULTS.parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(script: str, nproc: int, args: list[str], log: Path) -> float:
+    """Launch ROOT/script on `nproc` local ranks (gloo, OMP_NUM_THREADS=1, no W&B); write its output to
+    `log`; return the launch's wall time in seconds. A failed launch raises with the output's tail; a
+    port taken between probe and bind (other jobs on the machine) is retried."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WANDB_MODE="disabled")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    for attempt in range(3):
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+        cmd = [*launcher, "--master_addr=127.0.0.1", f"--master_port={free_port()}", script, *args]
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            cmd, check=False, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        wall = time.perf_counter() - t0
+        log.write_text(" ".join(cmd) + "\n" + proc.stdout)
+        if proc.returncode == 0:
+            return wall
+        if "EADDRINUSE" not in proc.stdout or attempt == 2:
+            break
+    raise RuntimeError(
+        f"{script} with {nproc} ranks exited with {proc.returncode} (log {log}):\n{proc.stdout[-3000:]}"
+    )

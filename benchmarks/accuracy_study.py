@@ -1,0 +1,453 @@
+"""Accuracy study (issue 6): ViT (MNIST) validation accuracy and GPT validation perplexity under
+straggler profiles of growing skew, for every balancing method, with the wall time each run needed.
+
+    python benchmarks/accuracy_study.py                                  # default grid, benchmarks/results
+    python benchmarks/accuracy_study.py --grid smoke --out /tmp/smoke    # 2-rank smoke grid (the test)
+    python benchmarks/accuracy_study.py --only vit_tp4_1x4x --resume     # a subset; reuse finished runs
+
+Every configuration is a real `torchrun` launch of pretrain_vit.py / pretrain_gpt.py on virtual
+heterogeneous devices (`--device.profile static:...`), with the same seed, data order and step budget
+as every other run of its arm (model x TP size). Methods, per profile:
+
+- baseline: the homogeneous group (every rank at speed 1), no balancing;
+- static:   the profile without balancing (the numbers of the baseline, slower);
+- resize:   `--balance.mode resize` (ZERO-resizing only), random or priority selection, zero / same /
+  average imputation;
+- migrate:  `--balance.mode migrate` (lossless migration only);
+- semi:     `--balance.mode semi` (the planner picks resize or migrate per straggler).
+
+The balancer reads only measured (charged) busy times, never the profile. `--device.rate_gflops` is
+set per arm so that a nominal rank's charged compute per step (~0.26 s) is of the order of the real
+per-step cost of 4 or 8 ranks sharing 2 cores (more ranks, and the GPT's uncharged vocabulary
+layer, need a lower rate); a straggler's charge then dominates its step, so static runs are about k
+times slower and balanced ones are not. Times still include real compute and communication, so they
+move with the machine's load; accuracies do not (same seed, deterministic plans).
+
+The default grid, 60 steps per run (ViT: 2 layers, hidden 128, 16 heads, batches of 256 MNIST
+images, 1,024 validation images; GPT: 2 layers, hidden 128, 16 heads, 16 x 64 tokens of the shipped
+corpus), 31 launches sized for under an hour on the 2-core machine:
+
+- ViT TP=4, severity axis: one straggler slowed 2x, 4x, 8x; number axis: one and two stragglers at
+  4x. All five methods, plus the imputation policies same / average, at 1x4x; elsewhere migrate-only
+  is left out, because there SEMI's plan is pure migration (every straggler's gap 1 - share is above
+  `balance.tolerance` and the helpers can absorb it; the rows show dropped 0 for SEMI).
+- ViT TP=8, four stragglers at 4x (four equal stragglers in TP=4 would be a homogeneous group), with
+  the same reduced method set: an 8-rank launch costs about twice a 4-rank one on 2 cores.
+- GPT TP=4, one 4x straggler, all five methods, validation perplexity.
+
+Writes <out>/<name>.{md,json} (one row per configuration: final validation accuracy or perplexity,
+training wall time without start-up and evaluation, time to reach the target — 95 % of the baseline's
+final accuracy, or a perplexity within 1/0.95 of the baseline's — total launch wall time, the
+straggler's mean dropped share, MB moved at a plan change), accuracy_vs_skew.png and
+accuracy_vs_time.png (matplotlib, when installed), and each run's log + metrics JSONL under
+<out>/<name>_runs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import re
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import RESULTS, markdown_table, torchrun
+
+TARGET = 0.95  # time-to-target: first evaluation within 5 % of the baseline's final metric
+METRIC = {"vit": "val_acc", "gpt": "val_ppl"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """A model x TP size: launch settings shared by every run in it (same seed, data, steps)."""
+
+    model: str  # "vit" or "gpt"
+    tp: int
+    steps: int
+    eval_interval: int
+    log_interval: int
+    rate_gflops: float
+    args: tuple[str, ...]  # model / train overrides
+
+    @property
+    def metric(self) -> str:
+        return METRIC[self.model]
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}_tp{self.tp}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    arm: Arm
+    speeds: tuple[float, ...]  # per TP rank, 1 = nominal
+    method: str  # baseline, static, resize, migrate, semi
+    selection: str = "-"
+    imputation: str = "-"
+
+    @property
+    def profile(self) -> str:
+        """'none' or e.g. '1x4x' (one 4x straggler), '2x4x', '1x2x+1x8x'."""
+        slow = Counter(round(1 / s, 3) for s in self.speeds if s < 1)
+        return "+".join(f"{n}x{k:g}x" for k, n in sorted(slow.items())) or "none"
+
+    @property
+    def label(self) -> str:
+        if self.method != "resize":
+            return self.method
+        return f"resize-{self.selection}" + ("" if self.imputation == "zero" else f"/{self.imputation}")
+
+    @property
+    def name(self) -> str:
+        return f"{self.arm.name}_{self.profile}_{self.label.replace('/', '_')}"
+
+    def args(self, metrics: Path, log_dir: Path) -> list[str]:
+        a = self.arm
+        args = [
+            *a.args,
+            *("--parallel.tp", str(a.tp), "--train.train_iters", str(a.steps)),
+            *("--train.eval_interval", str(a.eval_interval), "--train.log_interval", str(a.log_interval)),
+            *("--device.profile", "static:" + ",".join(f"{s:g}" for s in self.speeds)),
+            *("--device.rate_gflops", str(a.rate_gflops)),
+            *("--logging.wandb", "false", "--logging.metrics_file", str(metrics)),
+            *("--logging.log_dir", str(log_dir)),
+        ]
+        if self.method in ("baseline", "static"):
+            return [*args, "--resize.enabled", "true"]  # virtual devices count the resizable layers' FLOPs
+        args += ["--balance.mode", self.method]
+        if self.method == "resize":
+            args += ["--resize.selection", self.selection, "--resize.imputation", self.imputation]
+        return args
+
+
+RESIZE = [("resize", "random", "zero"), ("resize", "priority", "zero")]
+ALL_METHODS = [("static",), *RESIZE, ("migrate",), ("semi",)]
+REDUCED = [("static",), *RESIZE, ("semi",)]
+IMPUTATION = [("resize", "priority", "same"), ("resize", "priority", "average")]
+
+
+def stragglers(tp: int, count: int, slowdown: float) -> tuple[float, ...]:
+    """The last `count` TP ranks slowed by `slowdown`."""
+    return (1.0,) * (tp - count) + (1.0 / slowdown,) * count
+
+
+def profile_runs(arm: Arm, speeds: tuple[float, ...], methods) -> list[Run]:
+    return [Run(arm, speeds, *method) for method in methods]
+
+
+SMALL_MODEL = ("--model.num_layers", "2", "--model.hidden_size", "128", "--model.num_attention_heads", "16")
+VIT_TRAIN = (
+    *("--train.micro_batch_size", "256", "--train.global_batch_size", "256", "--train.eval_iters", "4"),
+    *("--train.lr", "6e-3", "--train.lr_warmup_iters", "10"),
+)
+GPT_ARGS = (
+    *SMALL_MODEL,
+    *("--model.seq_length", "64", "--train.micro_batch_size", "16", "--train.global_batch_size", "16"),
+    *("--train.eval_iters", "16", "--train.lr", "3e-3", "--train.lr_warmup_iters", "10"),
+)
+
+
+def default_grid() -> list[Run]:
+    vit4 = Arm("vit", 4, 60, 10, 5, 10.0, SMALL_MODEL + VIT_TRAIN)
+    vit8 = Arm("vit", 8, 60, 10, 5, 2.5, SMALL_MODEL + VIT_TRAIN)
+    gpt4 = Arm("gpt", 4, 60, 10, 5, 2.5, GPT_ARGS)
+    runs = [Run(vit4, stragglers(4, 0, 1), "baseline")]
+    for slowdown in (2, 4, 8):
+        runs += profile_runs(vit4, stragglers(4, 1, slowdown), ALL_METHODS if slowdown == 4 else REDUCED)
+    runs += profile_runs(vit4, stragglers(4, 1, 4), IMPUTATION)
+    runs += profile_runs(vit4, stragglers(4, 2, 4), REDUCED)
+    runs += [Run(vit8, stragglers(8, 0, 1), "baseline"), *profile_runs(vit8, stragglers(8, 4, 4), REDUCED)]
+    runs += [
+        Run(gpt4, stragglers(4, 0, 1), "baseline"),
+        *profile_runs(gpt4, stragglers(4, 1, 4), ALL_METHODS),
+    ]
+    return runs
+
+
+def smoke_grid() -> list[Run]:
+    """Three 2-rank ViT runs of 16 steps (enough for the balancer's 5-sample median to act): baseline,
+    and a 4x straggler with priority resizing and with migration."""
+    small = ("--model.num_layers", "2", "--model.hidden_size", "64", "--model.num_attention_heads", "4")
+    train = ("--train.micro_batch_size", "64", "--train.global_batch_size", "64", "--train.eval_iters", "2")
+    vit2 = Arm("vit", 2, 16, 8, 2, 5.0, small + train)
+    methods = [("resize", "priority", "zero"), ("migrate",)]
+    return [Run(vit2, (1.0, 1.0), "baseline"), *profile_runs(vit2, (1.0, 0.25), methods)]
+
+
+GRIDS = {"default": default_grid, "smoke": smoke_grid}
+
+
+def launch(run: Run, folder: Path, resume: bool) -> dict:
+    """Run one configuration (or reuse a finished one); returns its records and wall times."""
+    metrics, meta_file = folder / f"{run.name}.jsonl", folder / f"{run.name}.json"
+    if resume and meta_file.is_file() and metrics.is_file():
+        meta = json.loads(meta_file.read_text())
+    else:
+        metrics.unlink(missing_ok=True)  # megahet appends to the metrics file
+        script = "pretrain_vit.py" if run.arm.model == "vit" else "pretrain_gpt.py"
+        log = folder / f"{run.name}.log"
+        wall = torchrun(script, run.arm.tp, run.args(metrics, folder / "logdir"), log)
+        loop = re.search(r"megahet \w+: \d+ steps in ([\d.]+) s", log.read_text())
+        meta = {"total_wall_s": wall, "loop_s": float(loop.group(1)) if loop else math.nan}
+        meta_file.write_text(json.dumps(meta))
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return {**meta, "records": records}
+
+
+def summarize(run: Run, result: dict) -> dict:
+    """One row: the final metric, training time (sum of logged step times: no start-up, no evaluation),
+    the curve (step, training seconds so far, metric, val_loss) and what the balancer did."""
+    a, records = run.arm, result["records"]
+    logs = [r for r in records if "step_time_s" in r]
+    clock, previous, elapsed = {}, 0, 0.0
+    for r in logs:
+        elapsed += r["step_time_s"] * (r["step"] - previous)  # step_time_s is the window's mean
+        clock[r["step"]], previous = elapsed, r["step"]
+    curve = [(r["step"], clock[r["step"]], r[a.metric], r["val_loss"]) for r in records if a.metric in r]
+    if not curve or curve[-1][0] != a.steps:
+        raise RuntimeError(f"{run.name}: no final {a.metric} in its metrics file")
+    return {
+        "model": a.model,
+        "tp": a.tp,
+        "profile": run.profile,
+        "stragglers": sum(s < 1 for s in run.speeds),
+        "slowdown": round(1 / min(run.speeds), 3),
+        "method": run.method,
+        "selection": run.selection,
+        "imputation": run.imputation,
+        a.metric: curve[-1][2],
+        "train_wall_s": elapsed,
+        "step_s": elapsed / a.steps,
+        "total_wall_s": result["total_wall_s"],
+        "loop_s": result["loop_s"],
+        "dropped": sum(r.get("dropped_frac_max", 0.0) for r in logs) / len(logs),
+        "moved_mb": max(r.get("migration_mb_plan_max", 0.0) for r in logs),
+        "plan_changes": max(r.get("plan_changes_max", 0.0) for r in logs),
+        "name": run.name,
+        "label": run.label,
+        "curve": curve,
+    }
+
+
+def better(metric: str, value: float, reference: float) -> bool:
+    """value is at least as good as reference (accuracy up, perplexity down)."""
+    return value >= reference if metric == "val_acc" else value <= reference
+
+
+def add_time_to_target(rows: list[dict]) -> None:
+    """Target per arm: 95 % of the baseline's final accuracy / its final perplexity / 0.95."""
+    for row in rows:
+        metric = METRIC[row["model"]]
+        base = next(
+            (b for b in rows if (b["model"], b["tp"], b["method"]) == (row["model"], row["tp"], "baseline")),
+            None,
+        )
+        if base is None:
+            row["target"] = row["time_to_target_s"] = None
+            continue
+        target = base[metric] * TARGET if metric == "val_acc" else base[metric] / TARGET
+        row["target"] = target
+        row["time_to_target_s"] = next((t for _, t, v, _ in row["curve"] if better(metric, v, target)), None)
+
+
+def goals(rows: list[dict]) -> list[str]:
+    """The issue's benchmark goals, evaluated on the measured rows (lines for the Markdown file)."""
+    lines = []
+
+    def find(model, tp, profile, label):
+        return next(
+            (
+                r
+                for r in rows
+                if (r["model"], r["tp"], r["profile"], r["label"]) == (model, tp, profile, label)
+            ),
+            None,
+        )
+
+    for mig in (r for r in rows if r["method"] == "migrate"):
+        base = find(mig["model"], mig["tp"], "none", "baseline")
+        if base is None:
+            continue
+        metric = METRIC[mig["model"]]
+        final_equal = math.isclose(mig["curve"][-1][2], base["curve"][-1][2], rel_tol=1e-4)
+        loss_diff = max(abs(m[3] - b[3]) / abs(b[3]) for m, b in zip(mig["curve"], base["curve"]))
+        acc_diff = max(abs(m[2] - b[2]) for m, b in zip(mig["curve"], base["curve"]))
+        ok = final_equal and loss_diff <= 1e-4
+        lines.append(
+            f"- migrate-only = baseline, {mig['model']} TP={mig['tp']} {mig['profile']}: final {metric} "
+            f"{mig['curve'][-1][2]:.6g} vs {base['curve'][-1][2]:.6g}; over {len(mig['curve'])} evaluations "
+            f"val_loss within {loss_diff:.1e} (relative), {metric} within {acc_diff:.2g} "
+            f"-> {'met' if ok else 'MISSED'}"
+        )
+    semi, base = find("vit", 4, "1x4x", "semi"), find("vit", 4, "none", "baseline")
+    if semi and base:
+        points = 100 * (base["val_acc"] - semi["val_acc"])
+        lines.append(
+            f"- SEMI within 0.5 point of the baseline, ViT TP=4 1x4x: {100 * semi['val_acc']:.2f} vs "
+            f"{100 * base['val_acc']:.2f} ({points:+.2f} points below) -> {'met' if points <= 0.5 else 'MISSED'}"
+        )
+    for pri in (r for r in rows if r["label"] == "resize-priority"):
+        rnd = find(pri["model"], pri["tp"], pri["profile"], "resize-random")
+        if rnd is None:
+            continue
+        metric = METRIC[pri["model"]]
+        ok = better(metric, pri[metric], rnd[metric])
+        lines.append(
+            f"- priority >= random, {pri['model']} TP={pri['tp']} {pri['profile']}: {metric} "
+            f"{pri[metric]:.4g} vs {rnd[metric]:.4g} -> {'met' if ok else 'MISSED'}"
+        )
+    for semi in (r for r in rows if r["method"] == "semi"):
+        static = find(semi["model"], semi["tp"], semi["profile"], "static")
+        if static is None:
+            continue
+        s, t = semi["time_to_target_s"], static["time_to_target_s"]
+        ok = s is not None and (t is None or s < t)
+        lines.append(
+            f"- SEMI time-to-target < static, {semi['model']} TP={semi['tp']} {semi['profile']}: "
+            f"{_seconds(s)} vs {_seconds(t)} -> {'met' if ok else 'MISSED'}"
+        )
+    return lines
+
+
+def _seconds(value: float | None) -> str:
+    return "not reached" if value is None else f"{value:.1f} s"
+
+
+COLUMNS = ["tp", "profile", "stragglers", "slowdown", "method", "selection", "imputation"]
+TIMES = ["train_wall_s", "time_to_target_s", "total_wall_s", "dropped", "moved_mb"]
+
+
+def write_results(rows: list[dict], out: Path, name: str, meta: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    parts = []
+    for model, metric in METRIC.items():
+        mine = [{**r, "time_to_target_s": r["time_to_target_s"] or "-"} for r in rows if r["model"] == model]
+        if mine:
+            title = (
+                "ViT (MNIST), validation accuracy" if model == "vit" else "GPT (shipped corpus), perplexity"
+            )
+            parts += [f"**{title}**", "", markdown_table(mine, [*COLUMNS, metric, *TIMES]), ""]
+    parts += ["Goals (computed from the rows above):", "", *goals(rows), ""]
+    text = "\n".join(parts)
+    (out / f"{name}.md").write_text(text)
+    print(text)
+
+
+def plot(rows: list[dict], out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots")
+        return
+    labels = list(dict.fromkeys(r["label"] for r in rows if r["method"] != "baseline"))
+    colors = {label: f"C{i}" for i, label in enumerate(labels)}
+    arms = list(dict.fromkeys((r["model"], r["tp"]) for r in rows))
+
+    # Accuracy (perplexity) against skew: slowdown of one straggler, and number of stragglers.
+    axes_spec = []
+    for model, tp in arms:
+        axes_spec.append((model, tp, "slowdown", lambda r: r["stragglers"] <= 1))
+        if any(r["stragglers"] > 1 and (r["model"], r["tp"]) == (model, tp) for r in rows):
+            axes_spec.append((model, tp, "stragglers", lambda r: r["stragglers"] != 1 or r["slowdown"] == 4))
+    fig, axes = plt.subplots(1, len(axes_spec), figsize=(4.2 * len(axes_spec), 3.4), squeeze=False)
+    for ax, (model, tp, axis, keep) in zip(axes[0], axes_spec):
+        metric = METRIC[model]
+        arm = [r for r in rows if (r["model"], r["tp"]) == (model, tp) and keep(r)]
+        base = next((r for r in arm if r["method"] == "baseline"), None)
+        for label in labels:
+            pts = sorted((r[axis], r[metric]) for r in arm if r["label"] == label)
+            if base is not None and pts:
+                pts.insert(0, (base[axis] if axis == "slowdown" else 0, base[metric]))
+            if len(pts) > 1:
+                ax.plot(*zip(*pts), marker="o", label=label, color=colors[label])
+        ax.set_xlabel("slowdown of one straggler" if axis == "slowdown" else "stragglers (4x)")
+        ax.set_ylabel(metric)
+        ax.set_title(f"{model.upper()} TP={tp}")
+        if axis == "slowdown":
+            ax.set_xscale("log", base=2)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "accuracy_vs_skew.png", dpi=120)
+    plt.close(fig)
+
+    # Accuracy (perplexity) against training time, one panel per arm x profile.
+    panels = list(dict.fromkeys((r["model"], r["tp"], r["profile"]) for r in rows if r["profile"] != "none"))
+    cols = min(3, len(panels))
+    fig, axes = plt.subplots(
+        math.ceil(len(panels) / cols),
+        cols,
+        figsize=(4.4 * cols, 3.3 * math.ceil(len(panels) / cols)),
+        squeeze=False,
+    )
+    for ax, (model, tp, profile) in zip(axes.flat, panels):
+        metric = METRIC[model]
+        for r in rows:
+            if (r["model"], r["tp"]) == (model, tp) and r["profile"] in (profile, "none"):
+                _, times, values, _ = zip(*r["curve"])
+                style = (
+                    {"color": "black", "linestyle": "--"}
+                    if r["method"] == "baseline"
+                    else {"color": colors[r["label"]]}
+                )
+                ax.plot(times, values, marker=".", label=r["label"], **style)
+        ax.set_xlabel("training time (s)")
+        ax.set_ylabel(metric)
+        ax.set_title(f"{model.upper()} TP={tp}, {profile}")
+        ax.legend(fontsize=6)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(out / "accuracy_vs_time.png", dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--grid", choices=sorted(GRIDS), default="default")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder of the tables, plots and runs")
+    parser.add_argument("--name", default="accuracy_study", help="file name of the table and JSON")
+    parser.add_argument("--only", default=None, help="regex: run only configurations whose name matches")
+    parser.add_argument(
+        "--resume", action="store_true", help="reuse runs already finished in the runs folder"
+    )
+    args = parser.parse_args()
+    runs = GRIDS[args.grid]()
+    if args.only:
+        runs = [r for r in runs if re.search(args.only, r.name)]
+    folder = args.out / f"{args.name}_runs"
+    folder.mkdir(parents=True, exist_ok=True)
+    rows, t0 = [], time.perf_counter()
+    for i, run in enumerate(runs):
+        rows.append(summarize(run, launch(run, folder, args.resume)))
+        r = rows[-1]
+        print(
+            f"[{i + 1}/{len(runs)}] {run.name}: {run.arm.metric} {r[run.arm.metric]:.4g}, "
+            f"train {r['train_wall_s']:.1f} s, total {r['total_wall_s']:.1f} s "
+            f"(study so far {time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
+    add_time_to_target(rows)
+    meta = {
+        "grid": args.grid,
+        "wall_s": time.perf_counter() - t0,
+        "target": TARGET,
+        "arms": {r.arm.name: dataclasses.asdict(r.arm) for r in runs},
+    }
+    write_results(rows, args.out, args.name, meta)
+    plot(rows, args.out)
+
+
+if __name__ == "__main__":
+    main()

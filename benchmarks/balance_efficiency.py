@@ -14,8 +14,11 @@ for `--warmup` steps, so that the straggler's arrival is an event the balancer m
 Per profile x mode: median step time over the steps after the warm-up, T_opt (the twin's median),
 E = T_opt / T, the speed-up over static, and the reaction: after each change of the speeds (not the
 first, which is the warm-up), the steps until the step time is within 5 % of the twin's at that
-phase (max over changes). Also the compute-only bound mean(s) / min(s) and the balancer's overhead
-on a homogeneous group (static without any balancer vs semi, interleaved runs).
+phase (max over changes); the same on the slowest rank's compute time (`reaction_compute_steps`,
+immune to communication noise from other jobs on the machine). Also the compute-only bound
+mean(s) / min(s), and the balancer's overhead on a homogeneous group (static without any balancer vs
+semi, interleaved runs). Run it on a quiet machine: other jobs slow the real (uncharged) part of a
+step, and the twin is measured in other minutes than the run it is compared with.
 
 Writes benchmarks/results/balance_efficiency.{md,json,png}; traces and per-run PNGs go to
 benchmarks/results/balance_efficiency_runs/.
@@ -141,6 +144,8 @@ def bench_profile(profile: Profile, warmup: int, rate: float, port: int) -> tupl
         for mode in ("twin", *MODES)
     }
     times = {mode: [r["step_s"] for r in rows] for mode, rows in traces.items()}
+    slowest = {mode: [max(r["busy_s"][0]) for r in rows] for mode, rows in traces.items()}
+    changes = profile.changes(warmup)
     measured = slice(warmup, profile.steps)
     t_opt = statistics.median(times["twin"][measured])
     static = statistics.median(times["static"][measured])
@@ -150,11 +155,9 @@ def bench_profile(profile: Profile, warmup: int, rate: float, port: int) -> tupl
     rows = []
     for mode in MODES:
         t = statistics.median(times[mode][measured])
-        react = (
-            None
-            if mode == "static"
-            else reaction(times[mode], times["twin"], profile.changes(warmup), profile.steps)
-        )
+        balanced = mode != "static"
+        react = reaction(times[mode], times["twin"], changes, profile.steps) if balanced else None
+        react_compute = reaction(slowest[mode], slowest["twin"], changes, profile.steps) if balanced else None
         rows.append(
             {
                 "profile": profile.name,
@@ -164,6 +167,7 @@ def bench_profile(profile: Profile, warmup: int, rate: float, port: int) -> tupl
                 "efficiency": t_opt / t,
                 "speedup_vs_static": static / t,
                 "reaction_steps": react,
+                "reaction_compute_steps": react_compute,
                 "compute_bound": bound,
                 "online_eff": statistics.median(r["efficiency"][0] for r in traces[mode][measured]),
             }
@@ -270,6 +274,7 @@ def main(argv: list[str] | None = None) -> None:
         "efficiency",
         "speedup_vs_static",
         "reaction_steps",
+        "reaction_compute_steps",
         "compute_bound",
     ]
     folder = save_results(args.name, rows, columns, meta)

@@ -1,0 +1,36 @@
+"""The efficiency benchmark's pure parts: the homogeneous twin of a profile, the speed changes it
+reacts to, and the reaction count (benchmarks/balance_efficiency.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.balance_efficiency import Profile, profiles, reaction, straggler
+from megahet.devices import parse_profile
+
+
+def test_twin_gives_every_rank_the_profiles_mean_speed_at_every_step():
+    for profile in profiles(warmup=4, steps=20):
+        twin = parse_profile(profile.twin())
+        for step in range(profile.steps):
+            mean = sum(profile.speeds(step)) / profile.tp
+            assert [twin.speed(r, step, profile.tp) for r in range(profile.tp)] == pytest.approx(
+                [mean] * profile.tp
+            )
+    mixed = straggler("m", 8, [1 / 8, 1 / 6, 1 / 4, 1 / 2, 1, 1, 1, 1], warmup=4, steps=20)
+    assert parse_profile(mixed.twin()).speed(0, 10, 8) == pytest.approx(5.0417 / 8, abs=1e-4)
+
+
+def test_changes_are_the_steps_where_speeds_move_after_the_warmup():
+    assert straggler("s", 4, [1, 1, 1, 0.25], warmup=4, steps=20).changes(4) == [4]
+    assert Profile("r", 4, "rotating:4,8", 32).changes(4) == [8, 16, 24]
+    contention = Profile("c", 4, "contention:4,20,10", 50)
+    assert contention.changes(4) == [20, 40]
+
+
+def test_reaction_counts_steps_until_within_5_percent_of_the_twin():
+    twin = [1.0] * 10
+    run = [1.0, 1.0, 3.0, 3.0, 1.04, 1.0, 3.0, 3.0, 3.0, 1.0]
+    assert reaction(run, twin, changes=[2], steps=10) == 2  # steps 2 and 3 slow; step 6 on is later noise
+    assert reaction(run, twin, changes=[2, 6], steps=10) == 3  # the worst change
+    assert reaction([3.0] * 10, twin, changes=[2], steps=10) == 8  # never: the whole phase

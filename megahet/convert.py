@@ -13,7 +13,9 @@ DeepSpeed's model-parallel rank is pp_rank * tp + tp_rank (megatron-core orders 
 merge along each parameter's partition dim (column-parallel weights/biases, the vocab-parallel
 embedding: dim 0; row-parallel weights: dim 1; everything else is replicated); a stage's local layer
 indexes become global ones; the last stage's tied `output_layer.weight` copy is dropped. The result is
-fp32, named as the TP=1 PP=1 model names it (no `_extra_state` entries).
+fp32, named as the TP=1 PP=1 model names it (no `_extra_state` entries). A bf16 / fp16 run's model
+states hold rounded weights: its fp32 masters are merged from the ZeRO shards by DeepSpeed's
+zero_to_fp32, per model-parallel rank.
 
 `reshard` merges the same way, re-pads the GPT vocabulary for the new TP if needed, splits with
 `shard` and writes the per-rank module states (megatron-core's `_extra_state` entries kept, so that
@@ -22,9 +24,12 @@ DeepSpeed's strict load accepts them) as a weights-only checkpoint: checkpoint.s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import re
+import tempfile
 import time
 from pathlib import Path
 
@@ -93,10 +98,47 @@ def _read_module(file: Path) -> dict:
     return dict(states["module"])  # tensors, and megatron-core's `_extra_state` entries (None)
 
 
+def zero_fp32_masters(folder: Path, mp_rank: int) -> dict[str, torch.Tensor]:
+    """The fp32 master weights of one model-parallel rank, merged from its ZeRO shards over DP by
+    DeepSpeed's own zero_to_fp32 (which reads model-parallel rank 00 only: it is shown this rank's
+    files under that name, through links in a temporary folder)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    suffix = f"mp_rank_{mp_rank:02d}"
+    shards = sorted(folder.glob(f"*_{suffix}_optim_states.pt"))
+    if not shards:
+        raise ConfigError(
+            f"--load: {folder} has no ZeRO optimizer shards for {suffix}: cannot recover fp32 weights"
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        tag = Path(tmp) / "tag"
+        tag.mkdir()
+        (tag / model_states_file(0)).symlink_to(folder / model_states_file(mp_rank))
+        for shard_file in shards:
+            (tag / shard_file.name.replace(suffix, "mp_rank_00")).symlink_to(shard_file)
+        with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its progress
+            return get_fp32_state_dict_from_zero_checkpoint(tmp, tag="tag")
+
+
+def _with_fp32_masters(module: dict, folder: Path, mp_rank: int) -> dict:
+    """bf16 / fp16 training keeps the exact weights only as ZeRO's fp32 masters: use those."""
+    if all(v.dtype == torch.float32 for v in module.values() if torch.is_tensor(v) and v.is_floating_point()):
+        return module
+    masters = zero_fp32_masters(folder, mp_rank)
+    return {k: masters.get(k, v) if torch.is_tensor(v) else v for k, v in module.items()}
+
+
 def read_stages(folder: Path, meta: dict) -> list[list[dict]]:
-    """The checkpoint's module state dicts, [pp_rank][tp_rank], checked to hold the same names per stage."""
+    """The checkpoint's module state dicts, [pp_rank][tp_rank], checked to hold the same names per
+    stage; a bf16 / fp16 run's weights are its fp32 masters."""
     tp, pp = meta["layout"]["tp"], meta["layout"]["pp"]
-    stages = [[_read_module(folder / model_states_file(p * tp + t)) for t in range(tp)] for p in range(pp)]
+    stages = [
+        [
+            _with_fp32_masters(_read_module(folder / model_states_file(p * tp + t)), folder, p * tp + t)
+            for t in range(tp)
+        ]
+        for p in range(pp)
+    ]
     for p, shards in enumerate(stages):
         if any(set(s) != set(shards[0]) for s in shards):
             raise ConfigError(f"--load: checkpoint {folder}: TP ranks of stage {p} hold different parameters")

@@ -102,6 +102,7 @@ def _steps(trainer, n: int) -> list[float]:
     losses = []
     for _ in range(n):
         x = torch.randn(4, 8) + float(np.random.rand()) + random.random()
+        x = x.to(next(trainer.engine.module.parameters()).dtype)  # bf16 runs take bf16 inputs
         trainer.engine.zero_grad()
         loss = trainer.engine(x)
         loss.backward()
@@ -377,3 +378,23 @@ def test_weights_only_load_restarts_the_optimizer(world1, tmp_path: Path) -> Non
     for name, value in _params(loaded).items():
         assert torch.equal(value, _params(fresh)[name]), name
     assert not torch.equal(_params(loaded)["proj.weight"], weights["proj.weight"])
+
+
+def test_bf16_checkpoint_consolidates_to_the_fp32_master_weights(world1, tmp_path: Path) -> None:
+    """A bf16 run's model states hold bf16-rounded weights; consolidate returns ZeRO's fp32 masters
+    (merged by DeepSpeed's zero_to_fp32), exactly the optimizer's, not the rounded copy."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from megahet.convert import consolidate
+
+    cfg = _cfg(tmp_path, **{"train.precision": "bf16"})
+    trainer = _trainer(cfg, world1)
+    _steps(trainer, 3)
+    checkpoint.save(trainer)
+    state, meta = consolidate(tmp_path / "ck")
+    assert meta["iteration"] == 3
+    for name, param in trainer.engine.module.named_parameters():
+        assert param.dtype == torch.bfloat16 and state[name].dtype == torch.float32
+        master = safe_get_full_fp32_param(param)
+        assert torch.equal(state[name], master), name
+        assert not torch.equal(state[name], param.detach().float()), name  # the rounded copy differs

@@ -23,7 +23,7 @@ def test_twin_gives_every_rank_the_profiles_mean_speed_at_every_step():
 
 def test_changes_are_the_steps_where_speeds_move_after_the_warmup():
     assert straggler("s", 4, [1, 1, 1, 0.25], warmup=4, steps=20).changes(4) == [4]
-    assert Profile("r", 4, "rotating:4,8", 32).changes(4) == [8, 16, 24]
+    assert Profile("r", 4, "rotating:4,6", 24).changes(4) == [6, 12, 18]
     contention = Profile("c", 4, "contention:4,20,10", 50)
     assert contention.changes(4) == [20, 40]
 

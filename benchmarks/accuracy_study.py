@@ -62,6 +62,7 @@ from benchmarks.common import RESULTS, markdown_table, torchrun
 
 TARGET = 0.95  # time-to-target: first evaluation within 5 % of the baseline's final metric
 METRIC = {"vit": "val_acc", "gpt": "val_ppl"}
+SEED = 1234  # megahet's default train.seed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,21 +186,22 @@ def smoke_grid() -> list[Run]:
 GRIDS = {"default": default_grid, "smoke": smoke_grid}
 
 
-def launch(run: Run, folder: Path, resume: bool) -> dict:
+def launch(run: Run, folder: Path, resume: bool, seed: int) -> dict:
     """Run one configuration (or reuse a finished one); returns its records and wall times."""
     metrics, meta_file = folder / f"{run.name}.jsonl", folder / f"{run.name}.json"
-    if resume and meta_file.is_file() and metrics.is_file():
-        meta = json.loads(meta_file.read_text())
-    else:
+    meta = json.loads(meta_file.read_text()) if resume and meta_file.is_file() and metrics.is_file() else {}
+    reused = bool(meta) and meta.get("seed", SEED) == seed
+    if not reused:
         metrics.unlink(missing_ok=True)  # megahet appends to the metrics file
         script = "pretrain_vit.py" if run.arm.model == "vit" else "pretrain_gpt.py"
         log = folder / f"{run.name}.log"
-        wall = torchrun(script, run.arm.tp, run.args(metrics, folder / "logdir"), log)
+        args = [*run.args(metrics, folder / "logdir"), "--train.seed", str(seed)]
+        wall = torchrun(script, run.arm.tp, args, log)
         loop = re.search(r"megahet \w+: \d+ steps in ([\d.]+) s", log.read_text())
-        meta = {"total_wall_s": wall, "loop_s": float(loop.group(1)) if loop else math.nan}
+        meta = {"total_wall_s": wall, "loop_s": float(loop.group(1)) if loop else math.nan, "seed": seed}
         meta_file.write_text(json.dumps(meta))
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return {**meta, "records": records}
+    return {**meta, "reused": reused, "records": records}
 
 
 def summarize(run: Run, result: dict) -> dict:
@@ -224,6 +226,7 @@ def summarize(run: Run, result: dict) -> dict:
         "selection": run.selection,
         "imputation": run.imputation,
         a.metric: curve[-1][2],
+        "val_loss": curve[-1][3],
         "train_wall_s": elapsed,
         "step_s": elapsed / a.steps,
         "total_wall_s": result["total_wall_s"],
@@ -272,10 +275,14 @@ def goals(rows: list[dict]) -> list[str]:
             None,
         )
 
-    for mig in (r for r in rows if r["method"] == "migrate"):
-        base = find(mig["model"], mig["tp"], "none", "baseline")
-        if base is None:
-            continue
+    def pairs(label: str, other: str, profile: str | None = None):
+        """Each `label` row with the `other` row of its arm, in the same profile or in `profile`."""
+        for row in rows:
+            match = find(row["model"], row["tp"], profile or row["profile"], other)
+            if row["label"] == label and match is not None:
+                yield row, match
+
+    for mig, base in pairs("migrate", "baseline", "none"):
         metric = METRIC[mig["model"]]
         final_equal = math.isclose(mig["curve"][-1][2], base["curve"][-1][2], rel_tol=1e-4)
         loss_diff = max(abs(m[3] - b[3]) / abs(b[3]) for m, b in zip(mig["curve"], base["curve"]))
@@ -294,20 +301,15 @@ def goals(rows: list[dict]) -> list[str]:
             f"- SEMI within 0.5 point of the baseline, ViT TP=4 1x4x: {100 * semi['val_acc']:.2f} vs "
             f"{100 * base['val_acc']:.2f} ({points:+.2f} points below) -> {'met' if points <= 0.5 else 'MISSED'}"
         )
-    for pri in (r for r in rows if r["label"] == "resize-priority"):
-        rnd = find(pri["model"], pri["tp"], pri["profile"], "resize-random")
-        if rnd is None:
-            continue
+    for pri, rnd in pairs("resize-priority", "resize-random"):
         metric = METRIC[pri["model"]]
         ok = better(metric, pri[metric], rnd[metric])
         lines.append(
             f"- priority >= random, {pri['model']} TP={pri['tp']} {pri['profile']}: {metric} "
-            f"{pri[metric]:.4g} vs {rnd[metric]:.4g} -> {'met' if ok else 'MISSED'}"
+            f"{pri[metric]:.4g} vs {rnd[metric]:.4g} (val_loss {pri['val_loss']:.4g} vs {rnd['val_loss']:.4g}) "
+            f"-> {'met' if ok else 'MISSED'}"
         )
-    for semi in (r for r in rows if r["method"] == "semi"):
-        static = find(semi["model"], semi["tp"], semi["profile"], "static")
-        if static is None:
-            continue
+    for semi, static in pairs("semi", "static"):
         s, t = semi["time_to_target_s"], static["time_to_target_s"]
         ok = s is not None and (t is None or s < t)
         lines.append(
@@ -335,7 +337,8 @@ def write_results(rows: list[dict], out: Path, name: str, meta: dict) -> None:
             title = (
                 "ViT (MNIST), validation accuracy" if model == "vit" else "GPT (shipped corpus), perplexity"
             )
-            parts += [f"**{title}**", "", markdown_table(mine, [*COLUMNS, metric, *TIMES]), ""]
+            metrics = [metric, "val_loss"] if model == "vit" else [metric]  # GPT: ppl = exp(val_loss)
+            parts += [f"**{title}**", "", markdown_table(mine, [*COLUMNS, *metrics, *TIMES]), ""]
     parts += ["Goals (computed from the rows above):", "", *goals(rows), ""]
     text = "\n".join(parts)
     (out / f"{name}.md").write_text(text)
@@ -352,37 +355,43 @@ def plot(rows: list[dict], out: Path) -> None:
         print("matplotlib is not installed: no plots")
         return
     labels = list(dict.fromkeys(r["label"] for r in rows if r["method"] != "baseline"))
-    colors = {label: f"C{i}" for i, label in enumerate(labels)}
-    arms = list(dict.fromkeys((r["model"], r["tp"]) for r in rows))
+    style = {label: {"color": f"C{i}", "marker": "osD^vP*X"[i % 8]} for i, label in enumerate(labels)}
+    plot_skew(plt, rows, style, out / "accuracy_vs_skew.png")
+    plot_time(plt, rows, style, out / "accuracy_vs_time.png")
 
-    # Accuracy (perplexity) against skew: slowdown of one straggler, and number of stragglers.
-    axes_spec = []
-    for model, tp in arms:
-        axes_spec.append((model, tp, "slowdown", lambda r: r["stragglers"] <= 1))
-        if any(r["stragglers"] > 1 and (r["model"], r["tp"]) == (model, tp) for r in rows):
-            axes_spec.append((model, tp, "stragglers", lambda r: r["stragglers"] != 1 or r["slowdown"] == 4))
-    fig, axes = plt.subplots(1, len(axes_spec), figsize=(4.2 * len(axes_spec), 3.4), squeeze=False)
-    for ax, (model, tp, axis, keep) in zip(axes[0], axes_spec):
-        metric = METRIC[model]
-        arm = [r for r in rows if (r["model"], r["tp"]) == (model, tp) and keep(r)]
-        base = next((r for r in arm if r["method"] == "baseline"), None)
-        for label in labels:
-            pts = sorted((r[axis], r[metric]) for r in arm if r["label"] == label)
+
+def plot_skew(plt, rows: list[dict], style: dict, path: Path) -> None:
+    """Accuracy (perplexity) against the slowdown of one straggler, and against the number of 4x
+    stragglers (over every TP size: a model is the same function of its seed at any TP size)."""
+    panels = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        panels.append((model, "slowdown", lambda r: r["stragglers"] == 1))
+        if any(r["model"] == model and r["stragglers"] > 1 for r in rows):
+            panels.append((model, "stragglers", lambda r: r["stragglers"] >= 1 and r["slowdown"] == 4))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.6), squeeze=False)
+    for ax, (model, axis, keep) in zip(axes[0], panels):
+        metric, mine = METRIC[model], [r for r in rows if r["model"] == model]
+        base = min((r for r in mine if r["method"] == "baseline"), key=lambda r: r["tp"], default=None)
+        points = [r for r in mine if keep(r)]
+        for label, line in style.items():
+            pts = sorted((r[axis], r[metric]) for r in points if r["label"] == label)
             if base is not None and pts:
-                pts.insert(0, (base[axis] if axis == "slowdown" else 0, base[metric]))
+                pts.insert(0, (1 if axis == "slowdown" else 0, base[metric]))
             if len(pts) > 1:
-                ax.plot(*zip(*pts), marker="o", label=label, color=colors[label])
-        ax.set_xlabel("slowdown of one straggler" if axis == "slowdown" else "stragglers (4x)")
-        ax.set_ylabel(metric)
-        ax.set_title(f"{model.upper()} TP={tp}")
+                ax.plot(*zip(*pts), label=label, markersize=5, alpha=0.85, **line)
+        tps = "/".join(str(tp) for tp in sorted({r["tp"] for r in points}))
+        what = "slowdown of one straggler" if axis == "slowdown" else "number of 4x stragglers"
+        ax.set(xlabel=what, ylabel=metric, title=f"{model.upper()}, TP={tps}")
         if axis == "slowdown":
             ax.set_xscale("log", base=2)
-    axes[0][0].legend(fontsize=7)
+        ax.legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(out / "accuracy_vs_skew.png", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
 
-    # Accuracy (perplexity) against training time, one panel per arm x profile.
+
+def plot_time(plt, rows: list[dict], style: dict, path: Path) -> None:
+    """Accuracy (perplexity) against training time, one panel per arm x profile, the baseline dashed."""
     panels = list(dict.fromkeys((r["model"], r["tp"], r["profile"]) for r in rows if r["profile"] != "none"))
     cols = min(3, len(panels))
     fig, axes = plt.subplots(
@@ -396,12 +405,12 @@ def plot(rows: list[dict], out: Path) -> None:
         for r in rows:
             if (r["model"], r["tp"]) == (model, tp) and r["profile"] in (profile, "none"):
                 _, times, values, _ = zip(*r["curve"])
-                style = (
-                    {"color": "black", "linestyle": "--"}
+                line = (
+                    {"color": "black", "linestyle": "--", "marker": "."}
                     if r["method"] == "baseline"
-                    else {"color": colors[r["label"]]}
+                    else style[r["label"]]
                 )
-                ax.plot(times, values, marker=".", label=r["label"], **style)
+                ax.plot(times, values, label=r["label"], markersize=4, **line)
         ax.set_xlabel("training time (s)")
         ax.set_ylabel(metric)
         ax.set_title(f"{model.upper()} TP={tp}, {profile}")
@@ -409,7 +418,7 @@ def plot(rows: list[dict], out: Path) -> None:
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     fig.tight_layout()
-    fig.savefig(out / "accuracy_vs_time.png", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
@@ -418,6 +427,9 @@ def main() -> None:
     parser.add_argument("--grid", choices=sorted(GRIDS), default="default")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder of the tables, plots and runs")
     parser.add_argument("--name", default="accuracy_study", help="file name of the table and JSON")
+    parser.add_argument(
+        "--seed", type=int, default=SEED, help="train.seed of every run (init and data order)"
+    )
     parser.add_argument("--only", default=None, help="regex: run only configurations whose name matches")
     parser.add_argument(
         "--resume", action="store_true", help="reuse runs already finished in the runs folder"
@@ -428,9 +440,11 @@ def main() -> None:
         runs = [r for r in runs if re.search(args.only, r.name)]
     folder = args.out / f"{args.name}_runs"
     folder.mkdir(parents=True, exist_ok=True)
-    rows, t0 = [], time.perf_counter()
+    rows, reused, t0 = [], 0, time.perf_counter()
     for i, run in enumerate(runs):
-        rows.append(summarize(run, launch(run, folder, args.resume)))
+        result = launch(run, folder, args.resume, args.seed)
+        reused += result["reused"]
+        rows.append(summarize(run, result))
         r = rows[-1]
         print(
             f"[{i + 1}/{len(runs)}] {run.name}: {run.arm.metric} {r[run.arm.metric]:.4g}, "
@@ -440,7 +454,10 @@ def main() -> None:
         )
     add_time_to_target(rows)
     meta = {
+        "launches_wall_s": sum(r["total_wall_s"] for r in rows),  # the grid's cost, also when resumed
+        "reused_runs": reused,
         "grid": args.grid,
+        "seed": args.seed,
         "wall_s": time.perf_counter() - t0,
         "target": TARGET,
         "arms": {r.arm.name: dataclasses.asdict(r.arm) for r in runs},

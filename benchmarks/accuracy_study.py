@@ -162,8 +162,8 @@ def default_grid() -> list[Run]:
     gpt4 = Arm("gpt", 4, 60, 10, 5, 2.5, GPT_ARGS)
     runs = [Run(vit4, stragglers(4, 0, 1), "baseline")]
     for slowdown in (2, 4, 8):
-        runs += profile_runs(vit4, stragglers(4, 1, slowdown), ALL_METHODS if slowdown == 4 else REDUCED)
-    runs += profile_runs(vit4, stragglers(4, 1, 4), IMPUTATION)
+        methods = [*ALL_METHODS, *IMPUTATION] if slowdown == 4 else REDUCED
+        runs += profile_runs(vit4, stragglers(4, 1, slowdown), methods)
     runs += profile_runs(vit4, stragglers(4, 2, 4), REDUCED)
     runs += [Run(vit8, stragglers(8, 0, 1), "baseline"), *profile_runs(vit8, stragglers(8, 4, 4), REDUCED)]
     runs += [

@@ -17,11 +17,12 @@ as every other run of its arm (model x TP size). Methods, per profile:
 - semi:     `--balance.mode semi` (the planner picks resize or migrate per straggler).
 
 The balancer reads only measured (charged) busy times, never the profile. `--device.rate_gflops` is
-set per arm so that a nominal rank's charged compute per step (~0.26 s) is of the order of the real
-per-step cost of 4 or 8 ranks sharing 2 cores (more ranks, and the GPT's uncharged vocabulary
-layer, need a lower rate); a straggler's charge then dominates its step, so static runs are about k
-times slower and balanced ones are not. Times still include real compute and communication, so they
-move with the machine's load; accuracies do not (same seed, deterministic plans).
+set per arm so that a nominal rank's charged compute per step (0.26 s; 0.52 s at TP=8) is of the
+order of the real per-step cost of 4 or 8 ranks sharing 2 cores (more ranks, and the GPT's
+uncharged vocabulary layer, need a lower rate); a straggler's charge then dominates its step, so
+static runs are about k times slower and balanced ones are not. Times still include real compute
+and communication, so they move with the machine's load; accuracies do not (same seed,
+deterministic plans).
 
 The default grid, 60 steps per run (ViT: 2 layers, hidden 128, 16 heads, batches of 256 MNIST
 images, 1,024 validation images; GPT: 2 layers, hidden 128, 16 heads, 16 x 64 tokens of the shipped
@@ -299,14 +300,16 @@ def goals(rows: list[dict]) -> list[str]:
         points = 100 * (base["val_acc"] - semi["val_acc"])
         lines.append(
             f"- SEMI within 0.5 point of the baseline, ViT TP=4 1x4x: {100 * semi['val_acc']:.2f} vs "
-            f"{100 * base['val_acc']:.2f} ({points:+.2f} points below) -> {'met' if points <= 0.5 else 'MISSED'}"
+            f"{100 * base['val_acc']:.2f} ({points:+.2f} points below) "
+            f"-> {'met' if points <= 0.5 else 'MISSED'}"
         )
     for pri, rnd in pairs("resize-priority", "resize-random"):
         metric = METRIC[pri["model"]]
         ok = better(metric, pri[metric], rnd[metric])
         lines.append(
             f"- priority >= random, {pri['model']} TP={pri['tp']} {pri['profile']}: {metric} "
-            f"{pri[metric]:.4g} vs {rnd[metric]:.4g} (val_loss {pri['val_loss']:.4g} vs {rnd['val_loss']:.4g}) "
+            f"{pri[metric]:.4g} vs {rnd[metric]:.4g} "
+            f"(val_loss {pri['val_loss']:.4g} vs {rnd['val_loss']:.4g}) "
             f"-> {'met' if ok else 'MISSED'}"
         )
     for semi, static in pairs("semi", "static"):

@@ -1,4 +1,4 @@
-"""Shared helpers of the benchmark scripts: result files (Markdown table + JSON), timing, torchrun launches."""
+"""Shared helpers of the benchmark scripts: result files (Markdown table + JSON), timing, launches."""
 
 from __future__ import annotations
 

@@ -145,13 +145,13 @@ class ResizeConfig:
     imputation: Literal["zero", "same", "average"] = "zero"
     """Gradient of units no replica computed: zero (frozen), same (last measured), average (mean of kept)."""
     selection: Literal["random", "priority"] = "priority"
-    """Which units to drop: random (seeded) or priority (least weight movement first)."""
+    """Which units to drop: random (seeded) or priority (least gradient variance first)."""
     reselect_interval: int = 10
     """Steps between two selections of the dropped units."""
     max_drop_steps: int = 50
     """Fairness guard: a unit dropped this many consecutive steps is kept at the next selection."""
     score_decay: float = 0.9
-    """EMA decay of the priority score (per-unit L1 norm of the weight change per step)."""
+    """EMA decay of the priority statistics (per-unit gradient mean and squared norm per step)."""
 
     @property
     def active(self) -> bool:

@@ -233,10 +233,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=4, help="homogeneous steps before a static straggler")
     parser.add_argument("--steps", type=int, default=16, help="steps of the static-straggler profiles")
     parser.add_argument(
-        "--rate-per-rank",
+        "--rate-tp4",
         type=float,
-        default=0.15,
-        help="GFLOP/s of a speed-1 device per TP rank (TP x this): ~0.5 s of compute a step",
+        default=0.6,
+        help="GFLOP/s of a speed-1 device at TP=4 (x 4/TP elsewhere, so that a step's compute at speed 1 "
+        "is the same ~0.5 s at every TP, as the work per rank shrinks with TP)",
     )
     parser.add_argument("--overhead-repeats", type=int, default=1, help="0 skips the overhead runs")
     parser.add_argument("--name", default="balance_efficiency")
@@ -252,18 +253,18 @@ def main(argv: list[str] | None = None) -> None:
     for i, profile in enumerate(chosen):
         print(f"{profile.name} (TP={profile.tp}, {profile.spec}, twin {profile.twin()})", flush=True)
         profile_rows, all_times[profile.name] = bench_profile(
-            profile, args.warmup, args.rate_per_rank * profile.tp, 29800 + i
+            profile, args.warmup, args.rate_tp4 * 4 / profile.tp, 29800 + i
         )
         rows += profile_rows
         print(markdown_table(profile_rows, list(profile_rows[0])), flush=True)
     meta = {
         "model": " ".join(MODEL),
         "warmup": args.warmup,
-        "rate_per_rank_gflops": args.rate_per_rank,
+        "rate_tp4_gflops": args.rate_tp4,
         "profiles": {p.name: p.spec for p in chosen},
     }
     if args.overhead_repeats:
-        meta["balancer_overhead"] = overhead(args.rate_per_rank * 4, args.steps, args.overhead_repeats, 29890)
+        meta["balancer_overhead"] = overhead(args.rate_tp4, args.steps, args.overhead_repeats, 29890)
         print(f"balancer overhead on a homogeneous TP=4 group: {meta['balancer_overhead']}", flush=True)
     meta["wall_s"] = time.perf_counter() - t0
     columns = [

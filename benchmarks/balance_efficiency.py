@@ -181,10 +181,15 @@ def bench_profile(profile: Profile, warmup: int, rate: float, port: int) -> tupl
 
 
 def overhead(rate: float, steps: int, repeats: int, port: int) -> dict:
-    """Median step time on a homogeneous TP=4 group: no balancer at all vs semi (which measures,
-    gathers and plans every step but never moves anything), interleaved."""
-    samples = {"off": [], "semi": []}
+    """The balancer's cost on a homogeneous TP=4 group, two ways. A/B: median step time with no
+    balancer at all vs semi (which measures, gathers, keeps priority statistics and plans every step
+    but never moves anything), in `repeats` interleaved pairs of runs. In-run: the semi run's own time
+    in the step hooks (`hooks_s`: balancer and resizer) over the unbalanced step time, which machine
+    noise barely touches (the gradient hooks inside backward are only in the A/B figure)."""
+    samples: dict[str, list[float]] = {"off": [], "semi": []}
+    pairs, hooks = [], []
     for i in range(repeats):
+        medians = {}
         for mode in samples:
             metrics = RUNS / f"overhead_{mode}_{i}.jsonl"
             metrics.unlink(missing_ok=True)
@@ -196,10 +201,23 @@ def overhead(rate: float, steps: int, repeats: int, port: int) -> dict:
             if mode == "semi":
                 args += " --balance.mode semi"
             launch(4, args.split(), port, RUNS / f"overhead_{mode}_{i}.log")
-            rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-            samples[mode] += [r["step_time_s"] for r in rows if "step_time_s" in r][2:]
+            rows = [json.loads(line) for line in metrics.read_text().splitlines()][2:]  # after warm-up
+            times = [r["step_time_s"] for r in rows if "step_time_s" in r]
+            samples[mode] += times
+            medians[mode] = statistics.median(times)
+            if mode == "semi":
+                hooks += [r["hooks_s"] for r in rows if "hooks_s" in r]
+        pairs.append(medians["semi"] / medians["off"] - 1)
     off, semi = statistics.median(samples["off"]), statistics.median(samples["semi"])
-    return {"off_step_s": off, "semi_step_s": semi, "overhead": semi / off - 1, "steps": len(samples["off"])}
+    return {
+        "off_step_s": off,
+        "semi_step_s": semi,
+        "overhead": semi / off - 1,
+        "pair_overheads": pairs,
+        "hooks_s": statistics.median(hooks),
+        "hooks_overhead": statistics.median(hooks) / off,
+        "steps": len(samples["off"]),
+    }
 
 
 def plot(all_times: dict[str, dict[str, list[float]]], path: Path) -> None:
@@ -239,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
         help="GFLOP/s of a speed-1 device at TP=4 (x 4/TP elsewhere, so that a step's compute at speed 1 "
         "is the same ~0.5 s at every TP, as the work per rank shrinks with TP)",
     )
-    parser.add_argument("--overhead-repeats", type=int, default=1, help="0 skips the overhead runs")
+    parser.add_argument("--overhead-repeats", type=int, default=4, help="0 skips the overhead runs")
     parser.add_argument("--name", default="balance_efficiency")
     args = parser.parse_args(argv)
     RUNS.mkdir(parents=True, exist_ok=True)

@@ -2,9 +2,10 @@
 
 After every step each rank contributes two numbers — the work its resizable blocks executed (forward
 + backward FLOPs) and its compute time (the virtual device's charged busy time, else the measured
-forward/backward compute) — gathered over its pipeline stage's TP x DP ranks. Every rank feeds the
-same `SpeedEstimator`s (one per DP replica's TP group) and, every `balance.interval` steps, runs the
-same pure planner (`megahet.balance.planner.balance`: static, resize, migrate or semi, with
+forward/backward compute) — gathered over its pipeline stage's TP x DP ranks by an asynchronous
+all-gather that completes while the step finishes. At the start of the next step every rank feeds the
+same `SpeedEstimator`s (one per DP replica's TP group) with them and, every `balance.interval` steps,
+runs the same pure planner (`megahet.balance.planner.balance`: static, resize, migrate or semi, with
 hysteresis and a return to the even split when the group is healthy), so the resulting plan is
 identical everywhere. The ResizeController turns the targets into units at the next step.
 
@@ -68,12 +69,23 @@ class BalanceController:
         self._flops0 = self._compute0 = 0.0
         self._efficiency: list[float] = []
         self._trace = None
+        self._pending = None
+        """(all_gather handle, rows, step, step seconds) of the last step, until `_collect`."""
+        self._due = False
         if cfg.balance.trace and layout.tp_rank == 0 and layout.dp_rank == 0:
             self.trace_file = trace_path(cfg.balance.trace, layout.pp_rank, layout.pp_size)
             self.trace_file.parent.mkdir(parents=True, exist_ok=True)
             self._trace = self.trace_file.open("w")
 
     def before_forward_backward(self, step: int) -> None:
+        """Fold the last step's gathered measurements in, plan if due, then start measuring this step.
+
+        Runs before the ResizeController's hook (setup() puts the balancer first), so a new plan is
+        executed from this step on: the same step as planning right after the gather would give."""
+        self._collect()
+        if self._due:
+            self._due = False
+            self._plan()
         self.step = step
         self._flops0 = self.resize.executor.executed_flops()
         self._compute0 = self.timers.compute_s
@@ -81,32 +93,42 @@ class BalanceController:
     def before_step(self, engine) -> None:
         pass
 
+    def after_step(self, engine) -> None:
+        """Measure this step and start gathering it over the stage's TP x DP ranks (asynchronously: the
+        few numbers travel while the step finishes; `_collect` waits for them)."""
+        work, busy = self._measure()
+        mine = torch.tensor([self.layout.dp_rank, self.layout.tp_rank, work, busy], dtype=torch.float64)
+        group = ps.get_tensor_and_data_parallel_group()
+        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        handle = dist.all_gather(rows, mine, group=group, async_op=True)
+        self._pending = (handle, rows, self.step, time.perf_counter() - self.step_start())
+
     def _measure(self) -> tuple[float, float]:
         work = 3.0 * (self.resize.executor.executed_flops() - self._flops0)  # forward + 2x backward
         busy = self.device.busy_s if self.device is not None else self.timers.compute_s - self._compute0
         return work, busy
 
-    def _gather(self) -> tuple[list[list[float]], list[list[float]]]:
-        """(work, busy) of every rank of this stage, indexed [dp][tp]."""
-        work, busy = self._measure()
-        mine = torch.tensor([self.layout.dp_rank, self.layout.tp_rank, work, busy], dtype=torch.float64)
-        group = ps.get_tensor_and_data_parallel_group()
-        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(rows, mine, group=group)
+    def _collect(self) -> None:
+        """Wait for the pending gather; feed the estimators, the efficiency and the trace with it."""
+        if self._pending is None:
+            return
+        handle, rows, step, step_s = self._pending
+        self._pending = None
+        handle.wait()
         table = {(int(r[0]), int(r[1])): (float(r[2]), float(r[3])) for r in rows}
         tp, dp = range(self.layout.tp_size), range(self.layout.dp_size)
-        return [[table[(d, t)][0] for t in tp] for d in dp], [[table[(d, t)][1] for t in tp] for d in dp]
-
-    def after_step(self, engine) -> None:
-        works, busys = self._gather()
+        works = [[table[(d, t)][0] for t in tp] for d in dp]  # [dp][tp]
+        busys = [[table[(d, t)][1] for t in tp] for d in dp]
         for estimator, work, busy in zip(self.estimators, works, busys):
             estimator.update(work, busy)
         efficiency = [compute_efficiency(w, b) for w, b in zip(works, busys)]
         self._efficiency.append(efficiency[self.layout.dp_rank])
         if self._trace is not None:
-            self._write_trace(works, busys, efficiency)
-        if (self.step + 1) % self.cfg.interval or not all(e.ready for e in self.estimators):
-            return
+            self._write_trace(step, step_s, works, busys, efficiency)
+        self._due = (step + 1) % self.cfg.interval == 0 and all(e.ready for e in self.estimators)
+
+    def _plan(self) -> None:
+        """Run the same pure planner on every rank; hand changed targets to the ResizeController."""
         b = self.cfg
         knobs = {"tolerance": b.tolerance, "healthy_gap": b.healthy_gap, "hysteresis_threshold": b.hysteresis}
         new = [
@@ -130,13 +152,13 @@ class BalanceController:
     def _fractions(self, dp: int) -> dict[str, list[float]]:
         return self.resize.executor.plan.unit_fractions(self.resize.units, dp, self.layout.tp_size)
 
-    def _write_trace(self, works, busys, efficiency) -> None:
+    def _write_trace(self, step, step_s, works, busys, efficiency) -> None:
         """One JSON line per step: the executed plan and the measurements, indexed [dp][tp]."""
         dps = range(self.layout.dp_size)
         fractions = [self._fractions(dp) for dp in dps]
         row = {
-            "step": self.step,
-            "step_s": time.perf_counter() - self.step_start(),
+            "step": step,
+            "step_s": step_s,
             "efficiency": efficiency,
             "busy_s": busys,
             "work_gflop": [[w / 1e9 for w in ws] for ws in works],
@@ -147,6 +169,7 @@ class BalanceController:
         self._trace.flush()
 
     def metrics(self) -> dict[str, float]:
+        self._collect()
         estimator = self.estimators[self.layout.dp_rank]
         speed = estimator.speeds()[self.layout.tp_rank] if estimator.ready else 1.0
         return {"est_speed": speed, "plan_changes": float(self.changes)}
@@ -154,6 +177,7 @@ class BalanceController:
     def report(self) -> dict[str, float]:
         """Per TP rank of this rank's TP group: speed, dropped fraction, migrated units; and the
         interval's compute efficiency. No communication: every rank of the group knows it all."""
+        self._collect()
         dp = self.layout.dp_rank
         speeds = self._speeds(dp) or [1.0] * self.layout.tp_size
         fractions = self._fractions(dp)
@@ -171,6 +195,7 @@ class BalanceController:
 
     def close(self) -> None:
         """Close the trace and draw it (tools/plot_balance.py draws it again)."""
+        self._collect()
         if self._trace is None:
             return
         self._trace.close()

@@ -39,7 +39,9 @@ def device() -> torch.device:
 
 
 def distributed_backend() -> str:
-    return "nccl" if cuda_available() else "gloo"
+    """gloo on CPU; on GPUs NCCL for CUDA tensors plus gloo for the few host-side numbers (metrics,
+    the balancer's measurements, priority scores), as torchtitan does for CPU tensors."""
+    return "cuda:nccl,cpu:gloo" if cuda_available() else "gloo"
 
 
 def _cpu_device(device_arg):

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from megahet import platform
 from megahet.balance.resize_planner import (
     parse_block_gammas,
     parse_migrations,
@@ -53,7 +54,7 @@ class ResizeController:
             dp_size=layout.dp_size,
             imputation=r.imputation,
             num_microbatches=num_microbatches,
-            track_gradients=r.selection == "priority",
+            track_gradients=self.tracks_priority(cfg),
             tp_group=ps.get_tensor_model_parallel_group(),
         )
         self.units = self.executor.block_units
@@ -63,6 +64,14 @@ class ResizeController:
         """Steps each unit has been dropped in a row, per (block, rank) ever resized."""
         self.step = 0
         self._flops_logged = 0
+
+    @staticmethod
+    def tracks_priority(cfg: MegahetConfig) -> bool:
+        """Priority statistics are kept only where units can be dropped: static gammas, or a balancer
+        that resizes. Migration and the static, even split never select units."""
+        r = cfg.resize
+        resizes = bool(r.gamma or r.block_gamma) or cfg.balance.mode in ("resize", "semi")
+        return r.selection == "priority" and resizes
 
     def _local_scores(self, block: BlockKey) -> np.ndarray:
         stats = self.stats.get(block)
@@ -108,7 +117,7 @@ class ResizeController:
         self.step = step
         if step % self.cfg.reselect_interval == 0 or getattr(self, "_replan", False):
             self._replan = False
-            if self.cfg.selection == "priority":
+            if self.executor.track_gradients:
                 self._gather_scores()
             self._migrated = plan_migration(self.units, self.moves)
             dropped = plan_resize(self.units, self.gammas, self._choose, self.overrides).blocks
@@ -121,9 +130,9 @@ class ResizeController:
         self.executor.after_step(engine.optimizer)
         plan = self.executor.plan
         for block, n in self.units.items():
-            if self.cfg.selection == "priority":
-                grad = self.executor.unit_gradients[block].numpy()
-                stats = self.stats.get(block) or GradientStats.empty(n, grad.shape[1])
+            if self.executor.track_gradients:
+                grad = self.executor.unit_gradients[block]  # (units, elements), on the device
+                stats = self.stats.get(block) or GradientStats.empty(n, grad.shape[1], grad.device)
                 computed = self.executor.computed_units(block)
                 self.stats[block] = update_gradient_stats(stats, grad, computed, self.cfg.score_decay)
             for rank in self.gammas:
@@ -146,7 +155,7 @@ class ResizeController:
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
         self.stats = {
-            parse_block_name(name): GradientStats(**{k: np.asarray(v) for k, v in st.items()})
+            parse_block_name(name): GradientStats.from_saved(st, platform.device())
             for name, st in state["stats"].items()
         }
         for name, rank, age in state["drop_age"]:

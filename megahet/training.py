@@ -151,6 +151,8 @@ class Trainer:
         self.iteration = 0
         self.step_t0 = time.perf_counter()
         """When the current step began (hooks time whole steps with it)."""
+        self.hooks_s = 0.0
+        """Wall time of this step spent in the step hooks (balancer, resizer, virtual device)."""
         self.start_iteration, self.start_sample = 0, 0
         """Where this run started (a resumed checkpoint's iteration and consumed samples)."""
 
@@ -168,21 +170,28 @@ class Trainer:
     def forward_backward(self) -> list[dict]:
         """Zero the gradients and run the schedule over one global batch; gradients are then final
         (tied embeddings reduced) but not yet reduced over DP. Returns the last stage's loss dicts."""
+        t0 = time.perf_counter()
         for hook in self.step_hooks:
             hook.before_forward_backward(self.iteration)
+        self.hooks_s += time.perf_counter() - t0
         self.engine.zero_grad()
         return self._run_schedule(self.task.train_data, self.num_microbatches, forward_only=False)
 
     def train_step(self) -> dict[str, float]:
-        """One optimizer step; returns {loss, lr, grad_norm, step_time_s, compute_s} (loss on last stage)."""
+        """One optimizer step; returns {loss, lr, grad_norm, step_time_s, compute_s, hooks_s} (loss on
+        the last stage)."""
         t0 = self.step_t0 = time.perf_counter()
-        compute0 = self.timers.compute_s
+        compute0, self.hooks_s = self.timers.compute_s, 0.0
         outputs = self.forward_backward()
+        t1 = time.perf_counter()
         for hook in self.step_hooks:
             hook.before_step(self.engine)
+        t2 = time.perf_counter()
         self.engine.step()
+        t3 = time.perf_counter()
         for hook in self.step_hooks:
             hook.after_step(self.engine)
+        self.hooks_s += t2 - t1 + time.perf_counter() - t3
         self.iteration += 1
         loss = _mean_over_dp([out["loss"] for out in outputs]) if outputs else float("nan")
         grad_norm = self.engine.get_global_grad_norm()
@@ -192,6 +201,7 @@ class Trainer:
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "step_time_s": time.perf_counter() - t0,
             "compute_s": self.timers.compute_s - compute0,
+            "hooks_s": self.hooks_s,
         }
 
     @torch.no_grad()
@@ -256,6 +266,8 @@ class Trainer:
             compute_min_s=-float(compute[0]),
             compute_max_s=float(compute[1]),
         )
+        if self.step_hooks:  # the balancer's and resizer's own cost, this rank
+            metrics["hooks_s"] = sum(r["hooks_s"] for r in window) / len(window)
         metrics.update(self._hook_metrics())
         for hook in self.step_hooks:
             if hasattr(hook, "report"):  # this rank's view, e.g. its TP group's plan, not reduced
@@ -326,8 +338,9 @@ def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
 
         device_hook = next((h for h in hooks if hasattr(h, "device")), None)
         device = device_hook.device if device_hook is not None else None
-        trainer.step_hooks.append(
-            BalanceController(cfg, layout, hooks[0], trainer.timers, device, lambda: trainer.step_t0)
+        # First: it plans at the start of a step, before the ResizeController executes the plan.
+        trainer.step_hooks.insert(
+            0, BalanceController(cfg, layout, hooks[0], trainer.timers, device, lambda: trainer.step_t0)
         )
     if resume is not None:
         seconds = checkpoint.load(trainer, resume)

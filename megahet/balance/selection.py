@@ -15,8 +15,10 @@ that has been dropped for `max_drop_steps` consecutive steps, so no unit is drop
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
+import torch
 
 
 def select_random(num_units: int, n_drop: int, seed) -> tuple[int, ...]:
@@ -42,42 +44,50 @@ def select_priority(
 
 @dataclasses.dataclass
 class GradientStats:
-    """Running statistics of one block's unit gradients: EMA of the gradient and of its squared norm."""
+    """Running statistics of one block's unit gradients, on the gradients' device: EMA of the gradient
+    and of its squared norm (float32: one copy of the block's unit parameters)."""
 
-    mean: np.ndarray  # (units, elements per unit)
-    sq: np.ndarray  # (units,)
-    count: np.ndarray  # (units,) measurements so far
+    mean: torch.Tensor  # (units, elements per unit)
+    sq: torch.Tensor  # (units,)
+    count: torch.Tensor  # (units,) int64, measurements so far
 
     @classmethod
-    def empty(cls, num_units: int, elements: int) -> GradientStats:
-        return cls(np.zeros((num_units, elements)), np.zeros(num_units), np.zeros(num_units, int))
+    def empty(cls, num_units: int, elements: int, device=None) -> GradientStats:
+        zeros = functools.partial(torch.zeros, device=device)
+        return cls(zeros(num_units, elements), zeros(num_units), zeros(num_units, dtype=torch.long))
+
+    @classmethod
+    def from_saved(cls, saved: dict, device=None) -> GradientStats:
+        """From a checkpoint's `dataclasses.asdict(stats)` (tensors, or numpy arrays of older ones)."""
+        mean, sq, count = (torch.as_tensor(saved[k], device=device) for k in ("mean", "sq", "count"))
+        return cls(mean.float(), sq.float(), count.long())
 
 
-def update_gradient_stats(
-    stats: GradientStats, grad: np.ndarray, computed: np.ndarray, decay: float
-) -> GradientStats:
-    """Fold one step's unit gradients (units, elements) into the EMAs of the computed units.
+def update_gradient_stats(stats: GradientStats, grad, computed, decay: float) -> GradientStats:
+    """Fold one step's unit gradients (units, elements) into the EMAs of the computed units, in place
+    (one pass over a copy of the block's gradients every step: no new buffers); returns `stats`.
 
     A unit's first measurement sets its statistics; units not computed keep theirs.
     """
-    grad = np.asarray(grad, dtype=np.float64)
-    first, later = computed & (stats.count == 0), computed & (stats.count > 0)
-    mean, sq = stats.mean.copy(), stats.sq.copy()
-    g2 = (grad**2).sum(axis=1)
-    mean[first], sq[first] = grad[first], g2[first]
-    mean[later] = decay * mean[later] + (1.0 - decay) * grad[later]
-    sq[later] = decay * sq[later] + (1.0 - decay) * g2[later]
-    return GradientStats(mean, sq, stats.count + computed)
+    grad = torch.as_tensor(grad, device=stats.mean.device).to(stats.mean.dtype)  # (units, elements)
+    computed = torch.as_tensor(computed, device=grad.device)  # (units,) bool
+    new = torch.where(stats.count == 0, 1.0, 1.0 - decay)  # (units,) weight of this step's sample
+    new = torch.where(computed, new, 0.0).to(grad.dtype)  # a dropped unit's gradient is not data
+    stats.mean.lerp_(grad, new[:, None])  # mean + new * (grad - mean)
+    stats.sq.lerp_(grad.square().sum(dim=1), new)
+    stats.count += computed.long()
+    return stats
 
 
 def variation_scores(stats: GradientStats) -> np.ndarray:
     """How much each unit's gradient varies over steps: E||g||^2 - ||E g||^2 (EMA estimates).
 
     +inf until a unit has two measurements (one sample has no variance), so unmeasured units are
-    never preferred for dropping.
+    never preferred for dropping. A few floats per unit, returned on the host.
     """
-    variance = np.maximum(stats.sq - (stats.mean**2).sum(axis=1), 0.0)
-    return np.where(stats.count >= 2, variance, np.inf)
+    variance = (stats.sq - stats.mean.square().sum(dim=1)).clamp(min=0.0)
+    scores = torch.where(stats.count >= 2, variance, torch.inf)
+    return scores.double().cpu().numpy()
 
 
 def update_drop_age(drop_age: np.ndarray, dropped: np.ndarray) -> np.ndarray:

@@ -317,7 +317,7 @@ _CUDA_SCRIPT = textwrap.dedent(
     from megahet import platform
     assert platform.apply_cpu_shims() == [], platform._APPLIED
     assert (torch.cuda.current_device, torch.cuda.synchronize, torch.Tensor.cuda) == before
-    assert platform.distributed_backend() == "nccl"
+    assert platform.distributed_backend() == "cuda:nccl,cpu:gloo"  # host-side metrics go by gloo
     # Nothing imported, so nothing in megatron-core or DeepSpeed can have been patched.
     imported = sorted(m for m in sys.modules if m.startswith(("megatron", "deepspeed")))
     assert not imported, imported

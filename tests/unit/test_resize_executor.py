@@ -472,7 +472,7 @@ def test_controller_resizes_a_rank_the_balancer_names_for_the_first_time(world1)
     from megahet.parallel import current_layout
     from megahet.resizing import ResizeController
 
-    cfg = load_config(["--resize.enabled", "true", "--resize.selection", "priority"])
+    cfg = load_config(["--resize.selection", "priority", "--balance.mode", "resize"])
     model = gpt()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ctrl = ResizeController(cfg, model, current_layout(), num_microbatches=2)
@@ -487,3 +487,23 @@ def test_controller_resizes_a_rank_the_balancer_names_for_the_first_time(world1)
         dropped = ctrl.executor.plan.dropped(block, 0, 0)
         assert len(dropped) == n // 2
         assert sorted(ctrl.drop_age[(block, (0, 0))].nonzero()[0]) == sorted(dropped)
+
+
+@pytest.mark.parametrize(
+    ("args", "tracked"),
+    [
+        (["--balance.mode", "semi"], True),
+        (["--balance.mode", "resize"], True),
+        (["--resize.gamma", "1:0.5"], True),
+        (["--balance.mode", "migrate"], False),  # migration never selects units
+        (["--resize.migrate", "1:0.5"], False),
+        (["--balance.mode", "semi", "--resize.selection", "random"], False),
+    ],
+)
+def test_priority_statistics_are_kept_only_where_units_can_be_dropped(args, tracked) -> None:
+    """Per-unit gradient statistics cost a copy of the gradients every step: only resizing needs them."""
+    from megahet.config import load_config
+    from megahet.resizing import ResizeController
+
+    cfg = load_config(["--parallel.tp", "2", *args])
+    assert ResizeController.tracks_priority(cfg) is tracked

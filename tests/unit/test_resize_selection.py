@@ -8,11 +8,13 @@ Run: ``python -m pytest tests/unit/test_resize_selection.py -q`` (a few seconds;
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
 import numpy as np
 import pytest
+import torch
 
 from megahet.balance.resize_planner import (
     parse_block_gammas,
@@ -125,12 +127,23 @@ def test_variation_scores_need_two_measurements_and_measure_variance() -> None:
 
 
 def test_gradient_stats_are_emas_and_dropped_units_keep_theirs() -> None:
-    stats = GradientStats(np.array([[2.0], [4.0]]), np.array([4.0, 16.0]), np.array([3, 3]))
+    stats = GradientStats(torch.tensor([[2.0], [4.0]]), torch.tensor([4.0, 16.0]), torch.tensor([3, 3]))
+    mean = stats.mean
     out = update_gradient_stats(stats, np.array([[6.0], [100.0]]), np.array([True, False]), decay=0.75)
     assert out.mean[:, 0].tolist() == [0.75 * 2 + 0.25 * 6, 4.0]
     assert out.sq.tolist() == [0.75 * 4 + 0.25 * 36, 16.0]
     assert out.count.tolist() == [4, 3]
-    assert stats.mean[0, 0] == 2.0  # inputs are not modified
+    assert out is stats and out.mean is mean  # updated in place: no new buffer per step
+
+
+def test_gradient_stats_stay_float32_tensors_and_round_trip_a_checkpoint() -> None:
+    stats = GradientStats.empty(3, 4)
+    stats = update_gradient_stats(stats, torch.randn(3, 4, dtype=torch.float64), np.ones(3, bool), 0.9)
+    assert (stats.mean.dtype, stats.sq.dtype, stats.count.dtype) == (torch.float32, torch.float32, torch.long)
+    numpy_saved = {k: v.numpy() for k, v in dataclasses.asdict(stats).items()}  # older checkpoints
+    for saved in (dataclasses.asdict(stats), numpy_saved):
+        back = GradientStats.from_saved(saved)
+        assert all(torch.equal(getattr(back, k), getattr(stats, k)) for k in ("mean", "sq", "count"))
 
 
 def test_priority_drops_the_least_varying_units_on_a_constructed_example() -> None:

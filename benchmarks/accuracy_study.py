@@ -94,6 +94,8 @@ class Run:
     method: str  # baseline, static, resize, migrate, semi
     selection: str = "-"
     imputation: str = "-"
+    seed: int | None = None
+    """A selection-comparison repeat's own train.seed; None: the study's --seed."""
 
     @property
     def profile(self) -> str:
@@ -109,7 +111,8 @@ class Run:
 
     @property
     def name(self) -> str:
-        return f"{self.arm.name}_{self.profile}_{self.label.replace('/', '_')}"
+        seed = "" if self.seed is None else f"_seed{self.seed}"
+        return f"{self.arm.name}_{self.profile}_{self.label.replace('/', '_')}{seed}"
 
     def args(self, metrics: Path, log_dir: Path) -> list[str]:
         a = self.arm
@@ -187,15 +190,24 @@ def smoke_grid() -> list[Run]:
 GRIDS = {"default": default_grid, "smoke": smoke_grid}
 
 
+def selection_repeats(runs: list[Run], seeds: list[int]) -> list[Run]:
+    """Every random / priority resizing run (zero imputation) again under each of `seeds`: at a short
+    budget the seed moves accuracy by more than the selection policy does, so the policies are
+    compared on paired means (same seed: same initialization and data order)."""
+    compared = [r for r in runs if r.method == "resize" and r.imputation == "zero"]
+    return [dataclasses.replace(r, seed=seed) for seed in seeds for r in compared]
+
+
 def launch(run: Run, folder: Path, resume: bool, seed: int) -> dict:
     """Run one configuration (or reuse a finished one); returns its records and wall times."""
     metrics, meta_file = folder / f"{run.name}.jsonl", folder / f"{run.name}.json"
     meta = json.loads(meta_file.read_text()) if resume and meta_file.is_file() and metrics.is_file() else {}
-    reused = bool(meta) and meta.get("seed", SEED) == seed
+    reused = bool(meta) and meta.get("seed", SEED) == (seed if run.seed is None else run.seed)
     if not reused:
         metrics.unlink(missing_ok=True)  # megahet appends to the metrics file
         script = "pretrain_vit.py" if run.arm.model == "vit" else "pretrain_gpt.py"
         log = folder / f"{run.name}.log"
+        seed = seed if run.seed is None else run.seed
         args = [*run.args(metrics, folder / "logdir"), "--train.seed", str(seed)]
         wall = torchrun(script, run.arm.tp, args, log)
         loop = re.search(r"megahet \w+: \d+ steps in ([\d.]+) s", log.read_text())
@@ -226,6 +238,8 @@ def summarize(run: Run, result: dict) -> dict:
         "method": run.method,
         "selection": run.selection,
         "imputation": run.imputation,
+        "seed": result.get("seed", SEED),
+        "repeat": run.seed is not None,
         a.metric: curve[-1][2],
         "val_loss": curve[-1][3],
         "train_wall_s": elapsed,
@@ -250,6 +264,9 @@ def add_time_to_target(rows: list[dict]) -> None:
     """Target per arm: 95 % of the baseline's final accuracy / its final perplexity / 0.95."""
     for row in rows:
         metric = METRIC[row["model"]]
+        if row["repeat"]:  # compared on accuracy only; its seed has no baseline run
+            row["target"] = row["time_to_target_s"] = None
+            continue
         base = next(
             (b for b in rows if (b["model"], b["tp"], b["method"]) == (row["model"], row["tp"], "baseline")),
             None,
@@ -264,13 +281,13 @@ def add_time_to_target(rows: list[dict]) -> None:
 
 def goals(rows: list[dict]) -> list[str]:
     """The issue's benchmark goals, evaluated on the measured rows (lines for the Markdown file)."""
-    lines = []
+    lines, main = [], [r for r in rows if not r["repeat"]]
 
     def find(model, tp, profile, label):
         return next(
             (
                 r
-                for r in rows
+                for r in main
                 if (r["model"], r["tp"], r["profile"], r["label"]) == (model, tp, profile, label)
             ),
             None,
@@ -278,7 +295,7 @@ def goals(rows: list[dict]) -> list[str]:
 
     def pairs(label: str, other: str, profile: str | None = None):
         """Each `label` row with the `other` row of its arm, in the same profile or in `profile`."""
-        for row in rows:
+        for row in main:
             match = find(row["model"], row["tp"], profile or row["profile"], other)
             if row["label"] == label and match is not None:
                 yield row, match
@@ -303,14 +320,12 @@ def goals(rows: list[dict]) -> list[str]:
             f"{100 * base['val_acc']:.2f} ({points:+.2f} points below) "
             f"-> {'met' if points <= 0.5 else 'MISSED'}"
         )
-    for pri, rnd in pairs("resize-priority", "resize-random"):
-        metric = METRIC[pri["model"]]
-        ok = better(metric, pri[metric], rnd[metric])
+    for c in selection_comparison(rows):
+        ok = better(c["metric"], c["priority"], c["random"])
         lines.append(
-            f"- priority >= random, {pri['model']} TP={pri['tp']} {pri['profile']}: {metric} "
-            f"{pri[metric]:.4g} vs {rnd[metric]:.4g} "
-            f"(val_loss {pri['val_loss']:.4g} vs {rnd['val_loss']:.4g}) "
-            f"-> {'met' if ok else 'MISSED'}"
+            f"- priority >= random, {c['model']} TP={c['tp']} {c['profile']}: {c['metric']} "
+            f"{c['priority']:.4g} vs {c['random']:.4g} (mean over seeds {c['seeds']}; per seed "
+            f"priority - random {c['differences']}) -> {'met' if ok else 'MISSED'}"
         )
     for semi, static in pairs("semi", "static"):
         s, t = semi["time_to_target_s"], static["time_to_target_s"]
@@ -320,6 +335,35 @@ def goals(rows: list[dict]) -> list[str]:
             f"{_seconds(s)} vs {_seconds(t)} -> {'met' if ok else 'MISSED'}"
         )
     return lines
+
+
+def selection_comparison(rows: list[dict]) -> list[dict]:
+    """Per arm x profile: random and priority resizing (zero imputation), averaged over the seeds that
+    ran both (paired: the same seed gives both the same initialization and data order)."""
+    cells: dict[tuple, dict[str, dict[int, float]]] = {}
+    for r in rows:
+        if r["method"] == "resize" and r["imputation"] == "zero":
+            cell = cells.setdefault((r["model"], r["tp"], r["profile"]), {"random": {}, "priority": {}})
+            cell[r["selection"]][r["seed"]] = r[METRIC[r["model"]]]
+    out = []
+    for (model, tp, profile), cell in cells.items():
+        seeds = sorted(set(cell["random"]) & set(cell["priority"]))
+        if not seeds:
+            continue
+        pri, rnd = ([cell[k][seed] for seed in seeds] for k in ("priority", "random"))
+        out.append(
+            {
+                "model": model,
+                "tp": tp,
+                "profile": profile,
+                "metric": METRIC[model],
+                "seeds": ",".join(map(str, seeds)),
+                "random": sum(rnd) / len(seeds),
+                "priority": sum(pri) / len(seeds),
+                "differences": " ".join(f"{p - q:+.4g}" for p, q in zip(pri, rnd)),
+            }
+        )
+    return out
 
 
 def _seconds(value: float | None) -> str:
@@ -333,15 +377,19 @@ TIMES = ["train_wall_s", "time_to_target_s", "total_wall_s", "dropped", "moved_m
 def write_results(rows: list[dict], out: Path, name: str, meta: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    parts = []
+    parts, main = [], [r for r in rows if not r["repeat"]]
     for model, metric in METRIC.items():
-        mine = [{**r, "time_to_target_s": r["time_to_target_s"] or "-"} for r in rows if r["model"] == model]
+        mine = [{**r, "time_to_target_s": r["time_to_target_s"] or "-"} for r in main if r["model"] == model]
         if mine:
             title = (
                 "ViT (MNIST), validation accuracy" if model == "vit" else "GPT (shipped corpus), perplexity"
             )
             metrics = [metric, "val_loss"] if model == "vit" else [metric]  # GPT: ppl = exp(val_loss)
             parts += [f"**{title}**", "", markdown_table(mine, [*COLUMNS, *metrics, *TIMES]), ""]
+    comparison = selection_comparison(rows)
+    if any("," in c["seeds"] for c in comparison):
+        columns = ["model", "tp", "profile", "metric", "seeds", "random", "priority", "differences"]
+        parts += ["**Selection policies, mean over seeds**", "", markdown_table(comparison, columns), ""]
     parts += ["Goals (computed from the rows above):", "", *goals(rows), ""]
     text = "\n".join(parts)
     (out / f"{name}.md").write_text(text)
@@ -433,12 +481,19 @@ def main() -> None:
     parser.add_argument(
         "--seed", type=int, default=SEED, help="train.seed of every run (init and data order)"
     )
+    parser.add_argument(
+        "--selection-seeds",
+        default="",
+        help="comma-separated extra seeds: every random / priority resizing run again under each, and "
+        "'priority >= random' judged on the paired mean (e.g. 7,99: 24 more launches, ~35 min)",
+    )
     parser.add_argument("--only", default=None, help="regex: run only configurations whose name matches")
     parser.add_argument(
         "--resume", action="store_true", help="reuse runs already finished in the runs folder"
     )
     args = parser.parse_args()
     runs = GRIDS[args.grid]()
+    runs += selection_repeats(runs, [int(x) for x in args.selection_seeds.split(",") if x.strip()])
     if args.only:
         runs = [r for r in runs if re.search(args.only, r.name)]
     folder = args.out / f"{args.name}_runs"
@@ -461,12 +516,13 @@ def main() -> None:
         "reused_runs": reused,
         "grid": args.grid,
         "seed": args.seed,
+        "selection_seeds": args.selection_seeds,
         "wall_s": time.perf_counter() - t0,
         "target": TARGET,
         "arms": {r.arm.name: dataclasses.asdict(r.arm) for r in runs},
     }
     write_results(rows, args.out, args.name, meta)
-    plot(rows, args.out)
+    plot([r for r in rows if not r["repeat"]], args.out)  # the study's seed; repeats are in the table
 
 
 if __name__ == "__main__":

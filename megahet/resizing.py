@@ -103,7 +103,8 @@ class ResizeController:
             return tuple(available[i] for i in picks)
         age = self._drop_age(block, rank).copy()
         age[list(moved)] = self.cfg.max_drop_steps  # migrated units are not candidates
-        return select_priority(self.scores[(block, rank[1])], age, n_drop, self.cfg.max_drop_steps)
+        scores = self.scores[(block, rank[1])]
+        return select_priority(scores, age, n_drop, self.cfg.max_drop_steps, self.cfg.reselect_interval)
 
     def _drop_age(self, block: BlockKey, rank: RankKey) -> np.ndarray:
         """A rank the balancer resizes for the first time starts with every age at zero."""

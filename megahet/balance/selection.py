@@ -3,7 +3,8 @@
 Priority: "drop the units whose gradient updates vary least". After every step each computed
 unit's gradient is folded into running statistics (EMAs of the gradient and of its squared norm,
 `update_gradient_stats`), and a unit's score is the variance of its gradient over recent steps
-(`variation_scores`); units not computed keep their statistics. Selection drops the lowest scores.
+(`variation_scores`); units not computed keep their statistics. Selection drops the lowest scores,
+aged by how long a unit has already been dropped (its statistics are stale: see `select_priority`).
 (The authors' prototype scored the L1 norm of the weight change instead; under Adam that is about
 lr per element for every unit, so it carries little signal.) The fairness guard keeps any unit
 that has been dropped for `max_drop_steps` consecutive steps, so no unit is dropped forever.
@@ -29,14 +30,21 @@ def select_random(num_units: int, n_drop: int, seed) -> tuple[int, ...]:
 
 
 def select_priority(
-    scores: np.ndarray, drop_age: np.ndarray, n_drop: int, max_drop_steps: int
+    scores: np.ndarray, drop_age: np.ndarray, n_drop: int, max_drop_steps: int, age_scale: float = 0.0
 ) -> tuple[int, ...]:
     """The n_drop lowest-score units, never one already dropped for max_drop_steps steps in a row.
 
-    Ties break by unit index. If the guard leaves fewer than n_drop candidates, fewer are dropped.
+    Aging (age_scale > 0): a dropped unit's score counts (1 + drop_age / age_scale) times, so a unit
+    that has missed one selection period (age_scale = the reselect interval) counts double. A dropped
+    unit's statistics stop moving while the rest of the model trains; without aging the same
+    low-variance units would be dropped again at every selection until the guard, a frozen slice of
+    the model. Ties break by unit index. If the guard leaves fewer than n_drop candidates, fewer are
+    dropped.
     """
     scores, drop_age = np.asarray(scores, dtype=np.float64), np.asarray(drop_age)
     _check(len(scores), n_drop)
+    if age_scale > 0:
+        scores = scores * (1.0 + drop_age / age_scale)
     eligible = np.flatnonzero(drop_age < max_drop_steps)
     order = eligible[np.lexsort((eligible, scores[eligible]))]
     return tuple(sorted(int(u) for u in order[:n_drop]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -98,6 +99,29 @@ def test_priority_guard_over_steps_rotates_a_persistently_unimportant_unit() -> 
         mask[list(drop)] = True
         age = update_drop_age(age, mask)
     assert history == [(0,), (0,), (0,), (1,), (0,), (0,), (0,), (1,), (0,)]
+
+
+def test_priority_aging_rotates_stale_units_and_keeps_the_count() -> None:
+    """Selections every 10 steps, 3 of 4 units dropped (a 4x straggler), fixed (stale) scores: without
+    aging the same three units stay dropped until the guard; with aging every unit is computed within
+    a few selections, the most important most often, and every selection still drops three."""
+
+    def run(age_scale: float) -> list[tuple[int, ...]]:
+        scores, age, history = np.array([1.0, 1.2, 1.5, 2.0]), np.zeros(4, int), []
+        for _ in range(8):
+            drop = select_priority(scores, age, n_drop=3, max_drop_steps=50, age_scale=age_scale)
+            history.append(drop)
+            mask = np.zeros(4, bool)
+            mask[list(drop)] = True
+            for _ in range(10):
+                age = update_drop_age(age, mask)
+        return history
+
+    assert set(run(age_scale=0.0)[:5]) == {(0, 1, 2)}  # unit 3 alone trains for 50 steps
+    aged = run(age_scale=10.0)
+    assert all(len(drop) == 3 for drop in aged)
+    kept = Counter(u for drop in aged for u in {0, 1, 2, 3} - set(drop))
+    assert set(kept) == {0, 1, 2, 3} and kept[3] == max(kept.values())
 
 
 def test_priority_errors() -> None:

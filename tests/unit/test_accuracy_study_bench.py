@@ -1,0 +1,75 @@
+"""The accuracy study's pure parts (benchmarks/accuracy_study.py): the selection-comparison repeats
+(every random / priority resizing run again under extra seeds), their paired means, and the goal line
+and table that judge priority against random on those means.
+
+    python -m pytest -q tests/unit/test_accuracy_study_bench.py
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.accuracy_study import (
+    default_grid,
+    goals,
+    selection_comparison,
+    selection_repeats,
+    write_results,
+)
+
+
+def test_repeats_are_the_zero_imputation_resizing_runs_under_each_seed():
+    grid = default_grid()
+    repeats = selection_repeats(grid, [7, 99])
+    compared = [r for r in grid if r.method == "resize" and r.imputation == "zero"]
+    assert len(compared) == 12 and len(repeats) == 24  # 6 arm x profile cells x random / priority
+    assert {r.seed for r in repeats} == {7, 99}
+    assert {(r.selection, r.imputation) for r in repeats} == {("random", "zero"), ("priority", "zero")}
+    names = [r.name for r in grid + repeats]
+    assert len(set(names)) == len(names)  # a repeat never overwrites the study seed's run
+    assert repeats[0].name.endswith("_seed7")
+    assert selection_repeats(grid, []) == []
+
+
+def _row(selection: str, seed: int, acc: float, repeat: bool, profile: str = "1x4x") -> dict:
+    return {
+        "model": "vit",
+        "tp": 4,
+        "profile": profile,
+        "method": "resize",
+        "selection": selection,
+        "imputation": "zero",
+        "label": f"resize-{selection}",
+        "stragglers": 1,
+        "slowdown": 4,
+        **dict.fromkeys(("train_wall_s", "total_wall_s", "dropped", "moved_mb"), 1.0),
+        "seed": seed,
+        "repeat": repeat,
+        "val_acc": acc,
+        "val_loss": 1.0,
+        "time_to_target_s": None,
+        "curve": [(60, 1.0, acc, 1.0)],
+    }
+
+
+def test_priority_is_judged_on_the_paired_mean_over_seeds(tmp_path):
+    rows = [
+        _row("random", 1234, 0.66, False),
+        _row("priority", 1234, 0.64, False),  # loses at the study seed...
+        _row("random", 7, 0.60, True),
+        _row("priority", 7, 0.65, True),  # ...wins on the mean over seeds
+        _row("random", 99, 0.70, True),  # no priority run at seed 99: not paired, left out
+    ]
+    (cell,) = selection_comparison(rows)
+    assert cell["seeds"] == "7,1234"
+    assert cell["random"] == pytest.approx(0.63) and cell["priority"] == pytest.approx(0.645)
+    assert cell["differences"] == "+0.05 -0.02"
+    (line,) = [line for line in goals(rows) if "priority >= random" in line]
+    assert "mean over seeds 7,1234" in line and line.endswith("-> met")
+    rows[3]["val_acc"] = 0.61
+    assert goals(rows)[-1].endswith("-> MISSED")
+
+    write_results(rows, tmp_path, "study", {})
+    table = (tmp_path / "study.md").read_text()
+    assert "Selection policies, mean over seeds" in table
+    assert sum(line.startswith("| 4 | 1x4x") for line in table.splitlines()) == 2  # repeats: only there

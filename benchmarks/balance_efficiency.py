@@ -245,6 +245,31 @@ def plot(all_times: dict[str, dict[str, list[float]]], path: Path) -> None:
     plt.close(fig)
 
 
+def merge_rerun(name: str, rows: list[dict], meta: dict, all_times: dict, warmup: int, steps: int):
+    """Put a rerun's rows into results/<name>.json in place of its profiles' old rows (profile order
+    kept); the step times of the profiles not rerun come back from their traces for the plot."""
+    path = RESULTS / f"{name}.json"
+    if not path.is_file():
+        raise SystemExit(f"balance_efficiency: --update needs an earlier {path}: run without --update first")
+    old = json.loads(path.read_text())
+    rerun = {row["profile"] for row in rows}
+    order = [p.name for p in profiles(warmup, steps)]
+    merged = sorted(
+        [r for r in old["rows"] if r["profile"] not in rerun] + rows,
+        key=lambda r: (order.index(r["profile"]), MODES.index(r["mode"])),
+    )
+    note = {"profiles": sorted(rerun), "wall_s": meta["wall_s"], "date": time.strftime("%Y-%m-%d %H:%M")}
+    kept = {k: v for k, v in meta.items() if k not in ("profiles", "wall_s")}
+    merged_meta = {**old["meta"], **kept, "reruns": [*old["meta"].get("reruns", []), note]}
+    for profile in dict.fromkeys(r["profile"] for r in merged):
+        if profile not in all_times:
+            all_times[profile] = {
+                mode: [r["step_s"] for r in read_trace(RUNS / f"{profile}_{mode}.jsonl")]
+                for mode in ("twin", *MODES)
+            }
+    return merged, merged_meta, {p: all_times[p] for p in dict.fromkeys(r["profile"] for r in merged)}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profiles", nargs="*", default=None, help="names to run (default: all)")
@@ -259,6 +284,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--overhead-repeats", type=int, default=4, help="0 skips the overhead runs")
     parser.add_argument("--name", default="balance_efficiency")
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help="rerun only --profiles into the existing results/<name>.json: their rows are replaced, the "
+        "others (and the overhead, with --overhead-repeats 0) kept; the rerun is recorded in the meta",
+    )
     args = parser.parse_args(argv)
     RUNS.mkdir(parents=True, exist_ok=True)
     chosen = [
@@ -285,6 +316,8 @@ def main(argv: list[str] | None = None) -> None:
         meta["balancer_overhead"] = overhead(args.rate_tp4, args.steps, args.overhead_repeats, 29890)
         print(f"balancer overhead on a homogeneous TP=4 group: {meta['balancer_overhead']}", flush=True)
     meta["wall_s"] = time.perf_counter() - t0
+    if args.update:
+        rows, meta, all_times = merge_rerun(args.name, rows, meta, all_times, args.warmup, args.steps)
     columns = [
         "profile",
         "mode",

@@ -34,3 +34,35 @@ def test_reaction_counts_steps_until_within_5_percent_of_the_twin():
     assert reaction(run, twin, changes=[2], steps=10) == 2  # steps 2 and 3 slow; step 6 on is later noise
     assert reaction(run, twin, changes=[2, 6], steps=10) == 3  # the worst change
     assert reaction([3.0] * 10, twin, changes=[2], steps=10) == 8  # never: the whole phase
+
+
+def test_update_replaces_only_the_rerun_profiles_rows(tmp_path, monkeypatch):
+    import json
+
+    import benchmarks.balance_efficiency as bench
+
+    monkeypatch.setattr(bench, "RESULTS", tmp_path)
+    monkeypatch.setattr(bench, "RUNS", tmp_path / "runs")
+    (tmp_path / "runs").mkdir()
+
+    def rows(profile: str, value: float) -> list[dict]:
+        return [{"profile": profile, "mode": mode, "efficiency": value} for mode in bench.MODES]
+
+    old_meta = {"balancer_overhead": {"overhead": 0.004}, "wall_s": 100.0, "profiles": {}}
+    old = rows("tp4_2x", 0.5) + rows("tp4_4x", 0.9)
+    (tmp_path / "bench.json").write_text(json.dumps({"meta": old_meta, "rows": old}))
+    for mode in ("twin", *bench.MODES):  # the trace of the profile that is not rerun feeds the plot
+        (tmp_path / "runs" / f"tp4_4x_{mode}.jsonl").write_text('{"step": 0, "step_s": 0.8}\n')
+
+    merged, meta, times = bench.merge_rerun(
+        "bench", rows("tp4_2x", 0.97), {"wall_s": 7.0, "profiles": {}}, {"tp4_2x": {}}, 4, 20
+    )
+    assert [(r["profile"], r["mode"], r["efficiency"]) for r in merged] == [
+        *(("tp4_2x", m, 0.97) for m in bench.MODES),
+        *(("tp4_4x", m, 0.9) for m in bench.MODES),
+    ]
+    assert meta["balancer_overhead"] == {"overhead": 0.004}  # kept: this rerun measured none
+    assert meta["reruns"][0]["profiles"] == ["tp4_2x"] and meta["wall_s"] == 100.0
+    assert list(times) == ["tp4_2x", "tp4_4x"] and times["tp4_4x"]["semi"] == [0.8]
+    with pytest.raises(SystemExit, match="run without --update first"):
+        bench.merge_rerun("missing", [], {"wall_s": 0.0}, {}, 4, 20)

@@ -2,6 +2,8 @@
 
     python benchmarks/balance_efficiency.py                      # every profile (~25 min on 2 quiet cores)
     python benchmarks/balance_efficiency.py --profiles tp4_4x --steps 12   # one, shorter
+    python benchmarks/balance_efficiency.py --profiles tp4_2x --update     # rerun one into the table
+    python benchmarks/balance_efficiency.py --overhead-only --overhead-repeats 8   # only the overhead
 
 For each straggler profile, real torchrun launches of pretrain_gpt.py (a small GPT with many heads
 so that whole units can follow the speeds; virtual devices, `--balance.trace`) run the same job in
@@ -245,6 +247,33 @@ def plot(all_times: dict[str, dict[str, list[float]]], path: Path) -> None:
     plt.close(fig)
 
 
+GOALS = {"migrate": 0.90, "semi": 0.95}  # E goals; reaction <= 3 steps; overhead <= 1 %
+
+
+def goals(rows: list[dict], overhead: dict | None) -> list[str]:
+    """The issue's goals per cell, with the distance to each (lines for the Markdown file)."""
+    lines = []
+    for row in rows:
+        goal = GOALS.get(row["mode"])
+        if goal is None:
+            continue
+        e, react = row["efficiency"], row["reaction_steps"]
+        lines.append(
+            f"- {row['profile']} {row['mode']}: E {e:.3f} vs >= {goal:.2f} ({e - goal:+.3f}) "
+            f"-> {'met' if e >= goal else 'MISSED'}; reaction {react} (compute {row['reaction_compute_steps']}) "
+            f"vs <= 3 -> {'met' if react <= 3 else 'MISSED'}"
+        )
+    if overhead:
+        a_b, hooks = overhead["overhead"], overhead["hooks_overhead"]
+        pairs = " ".join(f"{100 * p:+.1f}" for p in overhead["pair_overheads"])
+        lines.append(
+            f"- balancer overhead, homogeneous TP=4: A/B {100 * a_b:+.2f} % (median over "
+            f"{overhead['steps']} steps a side; per pair {pairs} %), in-run hooks {100 * hooks:.2f} % "
+            f"vs <= 1 % -> A/B {'met' if a_b <= 0.01 else 'MISSED'}, hooks {'met' if hooks <= 0.01 else 'MISSED'}"
+        )
+    return lines
+
+
 def merge_rerun(name: str, rows: list[dict], meta: dict, all_times: dict, warmup: int, steps: int):
     """Put a rerun's rows into results/<name>.json in place of its profiles' old rows (profile order
     kept); the step times of the profiles not rerun come back from their traces for the plot."""
@@ -260,7 +289,10 @@ def merge_rerun(name: str, rows: list[dict], meta: dict, all_times: dict, warmup
     )
     note = {"profiles": sorted(rerun), "wall_s": meta["wall_s"], "date": time.strftime("%Y-%m-%d %H:%M")}
     kept = {k: v for k, v in meta.items() if k not in ("profiles", "wall_s")}
-    merged_meta = {**old["meta"], **kept, "reruns": [*old["meta"].get("reruns", []), note]}
+    if rows or "balancer_overhead" in meta:  # else: only the table and plots written again
+        note["overhead_repeats"] = len(meta.get("balancer_overhead", {}).get("pair_overheads", []))
+        kept["reruns"] = [*old["meta"].get("reruns", []), note]
+    merged_meta = {**old["meta"], **kept}
     for profile in dict.fromkeys(r["profile"] for r in merged):
         if profile not in all_times:
             all_times[profile] = {
@@ -285,6 +317,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--overhead-repeats", type=int, default=4, help="0 skips the overhead runs")
     parser.add_argument("--name", default="balance_efficiency")
     parser.add_argument(
+        "--overhead-only",
+        action="store_true",
+        help="measure only the balancer's overhead (--overhead-repeats pairs) into the existing table",
+    )
+    parser.add_argument(
         "--update",
         action="store_true",
         help="rerun only --profiles into the existing results/<name>.json: their rows are replaced, the "
@@ -295,7 +332,9 @@ def main(argv: list[str] | None = None) -> None:
     chosen = [
         p for p in profiles(args.warmup, args.steps) if args.profiles is None or p.name in args.profiles
     ]
-    if not chosen:
+    if args.overhead_only:
+        chosen, args.update = [], True
+    elif not chosen:
         raise SystemExit(f"balance_efficiency: no profile named {args.profiles}")
     rows, all_times = [], {}
     t0 = time.perf_counter()
@@ -330,6 +369,10 @@ def main(argv: list[str] | None = None) -> None:
         "compute_bound",
     ]
     folder = save_results(args.name, rows, columns, meta)
+    lines = goals(rows, meta.get("balancer_overhead"))
+    with (folder / f"{args.name}.md").open("a") as md:
+        md.write("\nGoals (computed from the rows above):\n\n" + "\n".join(lines) + "\n")
+    print("\n".join(lines))
     plot(all_times, folder / f"{args.name}.png")
 
 

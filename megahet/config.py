@@ -152,6 +152,9 @@ class ResizeConfig:
     """Fairness guard: a unit dropped this many consecutive steps is kept at the next selection."""
     score_decay: float = 0.9
     """EMA decay of the priority statistics (per-unit gradient mean and squared norm per step)."""
+    score_samples: int = 1024
+    """Gradient elements per unit the priority statistics follow (a fixed random sample, the same for
+    every unit; 0 = all): memory and time of the statistics stay small at any model size."""
 
     @property
     def active(self) -> bool:
@@ -500,3 +503,6 @@ def _validate_resize(cfg: MegahetConfig, dp: int) -> None:
     _require(r.reselect_interval > 0, f"resize.reselect_interval must be positive, got {r.reselect_interval}")
     _require(r.max_drop_steps > 0, f"resize.max_drop_steps must be positive, got {r.max_drop_steps}")
     _require(0.0 <= r.score_decay < 1.0, f"resize.score_decay must be in [0, 1), got {r.score_decay}")
+    _require(
+        r.score_samples >= 0, f"resize.score_samples must be >= 0 (0 = every element), got {r.score_samples}"
+    )

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import zlib
 from typing import Literal
 
 import numpy as np
@@ -60,6 +61,7 @@ class ResizeExecutor:
         imputation: Imputation = "zero",
         num_microbatches: int = 1,
         track_gradients: bool = False,
+        score_samples: int = 0,
         tp_group=None,
     ):
         if imputation not in ("zero", "same", "average"):
@@ -74,14 +76,21 @@ class ResizeExecutor:
         self._step_grad: dict[UnitParam, torch.Tensor] = {}
         self._frozen: list = []
         self.unit_gradients: dict[BlockKey, torch.Tensor] = {}
-        """With track_gradients: each unit's local gradient of the last step, (units, elements)."""
+        """With track_gradients: each unit's local gradient of the last step at the sampled elements,
+        (units, samples) (every element when score_samples is 0 or covers the unit)."""
+        self._sample_index: dict[UnitParam, tuple | None] = {}
+        self._sample_grad: dict[UnitParam, torch.Tensor] = {}
         for block in self.blocks.values():
+            if track_gradients:
+                self._sample_index.update(_sample_elements(block, score_samples))
             for up in block.unit_params:
                 up.param.register_hook(self._make_hook(block.key, up))
                 if imputation == "same":
                     self._last_grad[up] = torch.zeros_like(up.param, dtype=torch.float32)
-                if imputation == "same" or track_gradients:
                     self._step_grad[up] = torch.zeros_like(up.param, dtype=torch.float32)
+                if track_gradients:
+                    samples = _take(up.units(up.param.detach()), self._sample_index[up])
+                    self._sample_grad[up] = torch.zeros_like(samples, dtype=torch.float32)
         self.track_gradients = track_gradients
 
     @property
@@ -157,6 +166,8 @@ class ResizeExecutor:
             state = self._state[key]
             if up in self._step_grad:
                 self._step_grad[up] += grad.float()
+            if up in self._sample_grad:
+                self._sample_grad[up] += _take(up.units(grad), self._sample_index[up])  # (units, samples)
             if state is None:
                 return grad
             grad = grad.clone()
@@ -200,13 +211,43 @@ class ResizeExecutor:
             keep = torch.from_numpy(self.computed_units(key))
             if self.track_gradients:
                 self.unit_gradients[key] = torch.cat(
-                    [up.units(self._step_grad[up]).flatten(1) for up in block.unit_params], dim=1
-                )  # (units, elements per unit)
+                    [self._sample_grad[up] for up in block.unit_params], dim=1
+                )
+                for up in block.unit_params:
+                    self._sample_grad[up].zero_()
             for up in block.unit_params:
                 if up in self._last_grad:
                     up.units(self._last_grad[up])[keep] = up.units(self._step_grad[up])[keep]
                 if up in self._step_grad:
                     self._step_grad[up].zero_()
+
+
+def _sample_elements(block: Block, samples: int) -> dict[UnitParam, tuple | None]:
+    """A fixed random sample of `samples` of a unit's elements (over all its parameters), the same
+    for every unit and on every rank (seeded by the block's name): per parameter the index tensors
+    into its unit view's trailing dims, or None for all. Gradient variance summed over a uniform
+    sample of coordinates is an unbiased estimate (up to the factor elements / samples, the same
+    for every unit of the block) of the variance summed over all of them, so the units rank alike at
+    a sliver of the memory and time."""
+    sizes = [up.units(up.param).shape[1:] for up in block.unit_params]
+    numels = [int(np.prod(shape)) for shape in sizes]
+    total = sum(numels)
+    if samples <= 0 or samples >= total:
+        return dict.fromkeys(block.unit_params)
+    generator = torch.Generator().manual_seed(zlib.crc32(block_name(block.key).encode()))
+    chosen = torch.randperm(total, generator=generator)[:samples].sort().values
+    out, start = {}, 0
+    for up, shape, numel in zip(block.unit_params, sizes, numels):
+        mine = chosen[(chosen >= start) & (chosen < start + numel)] - start
+        out[up] = tuple(i.to(up.param.device) for i in torch.unravel_index(mine, shape))
+        start += numel
+    return out
+
+
+def _take(units: torch.Tensor, index: tuple | None) -> torch.Tensor:
+    """(units, samples) float32 values of a unit view at the sampled elements (no copy of the rest)."""
+    picked = units.flatten(1) if index is None else units[(slice(None), *index)]
+    return picked.float()
 
 
 @dataclasses.dataclass

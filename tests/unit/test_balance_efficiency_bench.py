@@ -73,13 +73,27 @@ def test_goal_lines_give_each_cells_distance_to_its_goal():
 
     rows = [
         {"profile": "p", "mode": "static", "efficiency": 0.3, "reaction_steps": None},
-        {"profile": "p", "mode": "migrate", "efficiency": 0.93, "reaction_steps": 2, "reaction_compute_steps": 2},
-        {"profile": "p", "mode": "semi", "efficiency": 0.94, "reaction_steps": 4, "reaction_compute_steps": 2},
+        {
+            "profile": "p",
+            "mode": "migrate",
+            "efficiency": 0.93,
+            "reaction_steps": 2,
+            "reaction_compute_steps": 2,
+        },
+        {
+            "profile": "p",
+            "mode": "semi",
+            "efficiency": 0.94,
+            "reaction_steps": 4,
+            "reaction_compute_steps": 2,
+        },
     ]
     overhead = {"overhead": 0.012, "hooks_overhead": 0.006, "pair_overheads": [0.02, 0.004], "steps": 28}
     migrate, semi, cost = goals(rows, overhead)
     assert migrate == "- p migrate: E 0.930 vs >= 0.90 (+0.030) -> met; reaction 2 (compute 2) vs <= 3 -> met"
-    assert "E 0.940 vs >= 0.95 (-0.010) -> MISSED" in semi and "reaction 4 (compute 2) vs <= 3 -> MISSED" in semi
+    assert (
+        "E 0.940 vs >= 0.95 (-0.010) -> MISSED" in semi and "reaction 4 (compute 2) vs <= 3 -> MISSED" in semi
+    )
     assert "A/B +1.20 %" in cost and "per pair +2.0 +0.4 %" in cost and "hooks 0.60 %" in cost
     assert cost.endswith("A/B MISSED, hooks met")
     assert len(goals(rows, None)) == 2

@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
@@ -230,6 +231,43 @@ def test_unit_gradient_statistics_input(world1) -> None:
             assert (tracked[list(dropped)] == 0).all()
             assert (tracked.abs().sum(1) > 0).sum() == num_units(key) - len(dropped)
             assert executor.computed_units(key).tolist() == [u not in dropped for u in range(num_units(key))]
+
+
+def test_sampled_statistics_follow_the_same_elements_of_every_unit(world1) -> None:
+    """score_samples=k: each unit's tracked gradient is the full one at k fixed coordinates (the same
+    for every unit, and for every executor: seeded by the block), so memory and time do not grow with
+    the model; k >= a unit's size (or 0) is every element."""
+    from megahet.tensor_parallel.executor import _sample_elements
+
+    model = gpt()
+    full = ResizeExecutor(model, dp_rank=0, tp_rank=0, dp_size=1, track_gradients=True)
+    sampled = ResizeExecutor(model, dp_rank=0, tp_rank=0, dp_size=1, track_gradients=True, score_samples=40)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for executor in (full, sampled):
+        executor.apply(_plan(DROPS))
+    backward(model, batches(50))
+    for executor in (full, sampled):
+        executor.after_step(optimizer)
+    for key, block in full.blocks.items():
+        sizes = [up.units(up.param).shape[1:].numel() for up in block.unit_params]
+        index = _sample_elements(block, 40)
+        assert sum(len(ix[0]) for ix in index.values()) == 40
+        again = _sample_elements(sampled.blocks[key], 40).values()  # another executor's blocks
+        assert all(torch.equal(a, b) for x, y in zip(index.values(), again) for a, b in zip(x, y))
+        offsets = torch.tensor([0, *sizes[:-1]]).cumsum(0).tolist()
+        columns = torch.cat(
+            [
+                off
+                + torch.tensor(
+                    np.ravel_multi_index([i.numpy() for i in index[up]], up.units(up.param).shape[1:])
+                )
+                for up, off in zip(block.unit_params, offsets)
+            ]
+        )
+        torch.testing.assert_close(sampled.unit_gradients[key], full.unit_gradients[key][:, columns])
+        assert sampled.unit_gradients[key].shape == (num_units(key), 40)
+        assert set(_sample_elements(block, sum(sizes)).values()) == {None}  # the whole unit
+        assert set(_sample_elements(block, 0).values()) == {None}
 
 
 def test_unknown_imputation_is_rejected(world1) -> None:

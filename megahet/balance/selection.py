@@ -53,9 +53,9 @@ def select_priority(
 @dataclasses.dataclass
 class GradientStats:
     """Running statistics of one block's unit gradients, on the gradients' device: EMA of the gradient
-    and of its squared norm (float32: one copy of the block's unit parameters)."""
+    and of its squared norm, float32, over the elements the executor samples (`resize.score_samples`)."""
 
-    mean: torch.Tensor  # (units, elements per unit)
+    mean: torch.Tensor  # (units, sampled elements per unit)
     sq: torch.Tensor  # (units,)
     count: torch.Tensor  # (units,) int64, measurements so far
 
@@ -73,7 +73,7 @@ class GradientStats:
 
 def update_gradient_stats(stats: GradientStats, grad, computed, decay: float) -> GradientStats:
     """Fold one step's unit gradients (units, elements) into the EMAs of the computed units, in place
-    (one pass over a copy of the block's gradients every step: no new buffers); returns `stats`.
+    (no new buffers every step); returns `stats`.
 
     A unit's first measurement sets its statistics; units not computed keep theirs.
     """

@@ -27,11 +27,11 @@ from megahet.balance.resize_planner import (
 )
 from megahet.balance.selection import (
     GradientStats,
+    priority_scores,
     select_priority,
     select_random,
     update_drop_age,
     update_gradient_stats,
-    variation_scores,
 )
 from megahet.config import MegahetConfig
 from megahet.parallel import ParallelLayout
@@ -76,7 +76,11 @@ class ResizeController:
 
     def _local_scores(self, block: BlockKey) -> np.ndarray:
         stats = self.stats.get(block)
-        return variation_scores(stats) if stats is not None else np.full(self.units[block], np.inf)
+        return (
+            priority_scores(stats, self.cfg.priority_score)
+            if stats is not None
+            else np.full(self.units[block], np.inf)
+        )
 
     def _gather_scores(self) -> None:
         """Scores of every TP rank's units, each averaged over that TP rank's DP replicas."""

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import typing
+from typing import Literal
 
 import numpy as np
 import torch
@@ -87,14 +89,35 @@ def update_gradient_stats(stats: GradientStats, grad, computed, decay: float) ->
     return stats
 
 
-def variation_scores(stats: GradientStats) -> np.ndarray:
-    """How much each unit's gradient varies over steps: E||g||^2 - ||E g||^2 (EMA estimates).
+PriorityScore = Literal["variance", "snr", "signal"]
+PRIORITY_SCORES: tuple[str, ...] = typing.get_args(PriorityScore)
 
-    +inf until a unit has two measurements (one sample has no variance), so unmeasured units are
-    never preferred for dropping. A few floats per unit, returned on the host.
+
+def priority_scores(stats: GradientStats, score: PriorityScore = "variance") -> np.ndarray:
+    """Each unit's priority from its EMA statistics; the lowest are dropped first. A few floats per
+    unit, returned on the host.
+
+    - "variance": E||g||^2 - ||E g||^2, how much the unit's gradient varies over steps;
+    - "signal": ||E g||^2, the steady part of the gradient (plain SGD's expected loss decrease per
+      unit of learning rate);
+    - "snr": ||E g||^2 / E||g||^2 in [0, 1], the steady share of the gradient. Adam divides every
+      element's step by its RMS gradient, so a unit's expected update size follows this share, not
+      the gradient's scale: a low-SNR unit's Adam updates mostly cancel out, and freezing it costs
+      least.
+
+    +inf until a unit has two measurements (one sample has neither variance nor a mean), so
+    unmeasured units are never preferred for dropping.
     """
-    variance = (stats.sq - stats.mean.square().sum(dim=1)).clamp(min=0.0)
-    scores = torch.where(stats.count >= 2, variance, torch.inf)
+    if score not in PRIORITY_SCORES:
+        raise ValueError(f"priority score must be one of {', '.join(PRIORITY_SCORES)}, got {score!r}")
+    signal = stats.mean.square().sum(dim=1)  # (units,)
+    if score == "variance":
+        value = (stats.sq - signal).clamp(min=0.0)
+    elif score == "signal":
+        value = signal
+    else:
+        value = signal / stats.sq.clamp(min=torch.finfo(stats.sq.dtype).tiny)
+    scores = torch.where(stats.count >= 2, value, torch.inf)
     return scores.double().cpu().numpy()
 
 

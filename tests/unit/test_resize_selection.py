@@ -1,5 +1,5 @@
 """Tests of the ZERO-resizing policy, all pure functions: unit selection (priority with its fairness
-guard, random), the priority statistics (`update_gradient_stats`, `variation_scores`, `update_drop_age`), the planner
+guard, random), the priority statistics (`update_gradient_stats`, `priority_scores`, `update_drop_age`), the planner
 (`units_to_drop`, `plan_resize` with per-block overrides, `parse_rank_gammas`, `parse_block_gammas`)
 and the plan itself (`ResizePlan`: lookups, `compute_counts`, dict / JSON round trips).
 
@@ -25,11 +25,11 @@ from megahet.balance.resize_planner import (
 )
 from megahet.balance.selection import (
     GradientStats,
+    priority_scores,
     select_priority,
     select_random,
     update_drop_age,
     update_gradient_stats,
-    variation_scores,
 )
 from megahet.tensor_parallel.plan import ResizePlan, block_name, parse_block_name
 
@@ -135,16 +135,16 @@ def test_priority_errors() -> None:
 # --- gradient statistics / update_drop_age ----------------------------------------------------
 
 
-def test_variation_scores_need_two_measurements_and_measure_variance() -> None:
+def test_priority_scores_need_two_measurements_and_measure_variance() -> None:
     stats = GradientStats.empty(3, 2)
-    assert np.isinf(variation_scores(stats)).all()  # never measured: never preferred for dropping
+    assert np.isinf(priority_scores(stats)).all()  # never measured: never preferred for dropping
     g1 = np.array([[1.0, 0.0], [2.0, 2.0], [5.0, 5.0]])
     stats = update_gradient_stats(stats, g1, np.array([True, True, False]), decay=0.5)
     assert stats.count.tolist() == [1, 1, 0]
-    assert np.isinf(variation_scores(stats)).all()  # one sample has no variance
+    assert np.isinf(priority_scores(stats)).all()  # one sample has no variance
     g2 = np.array([[-1.0, 0.0], [2.0, 2.0], [5.0, 5.0]])
     stats = update_gradient_stats(stats, g2, np.array([True, True, True]), decay=0.5)
-    scores = variation_scores(stats)
+    scores = priority_scores(stats)
     # unit 0 flips sign: mean (0, 0), E||g||^2 = 1 -> variance 1; unit 1 is constant -> 0.
     assert scores[0] == pytest.approx(1.0) and scores[1] == pytest.approx(0.0) and np.isinf(scores[2])
     assert stats.count.tolist() == [2, 2, 1]
@@ -179,8 +179,34 @@ def test_priority_drops_the_least_varying_units_on_a_constructed_example() -> No
         grad = steady.copy()
         grad[[0, 2]] *= (-1) ** t
         stats = update_gradient_stats(stats, grad, np.ones(4, bool), decay=0.8)
-    drop = select_priority(variation_scores(stats), np.zeros(4, int), n_drop=2, max_drop_steps=10)
+    drop = select_priority(priority_scores(stats), np.zeros(4, int), n_drop=2, max_drop_steps=10)
     assert drop == (1, 3)
+
+
+@pytest.mark.parametrize(
+    ("score", "expected"),
+    [("variance", (0, 2)), ("signal", (0, 2)), ("snr", (1, 3))],
+)
+def test_each_priority_score_drops_its_own_least_important_units(score, expected) -> None:
+    """Units 1 and 3 get a large, noisy gradient (mean 1 per element, sd 3); units 0 and 2 a small
+    steady one (0.1 per element). Variance and signal (||E g||^2) drop the small steady pair; snr (the
+    steady share) drops the noisy pair, whose Adam updates mostly cancel out."""
+    stats = GradientStats.empty(4, 64)
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        grad = np.full((4, 64), 0.1)
+        grad[[1, 3]] = 1.0 + 3.0 * rng.normal(size=(2, 64))
+        stats = update_gradient_stats(stats, grad, np.ones(4, bool), decay=0.9)
+    scores = priority_scores(stats, score)
+    assert select_priority(scores, np.zeros(4, int), n_drop=2, max_drop_steps=10) == expected
+    if score == "snr":
+        assert scores[[0, 2]] == pytest.approx(1.0) and (scores[[1, 3]] < 0.5).all()  # a share in [0, 1]
+
+
+def test_priority_score_names_the_choices() -> None:
+    with pytest.raises(ValueError) as err:
+        priority_scores(GradientStats.empty(2, 2), "l1")
+    _one_line(err, "priority score must be one of variance, snr, signal", "'l1'")
 
 
 def test_update_drop_age_counts_consecutive_drops_and_resets() -> None:

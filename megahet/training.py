@@ -25,7 +25,8 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megahet import checkpoint
-from megahet.config import ConfigError, HelpRequested, MegahetConfig, config_help, load_config, validate
+from megahet.config import ConfigError, HelpRequested, MegahetConfig, config_help, load_config
+from megahet.config_checks import validate
 from megahet.engine import build_engine, fold_deepspeed_json
 from megahet.logging import TrainingLogger
 from megahet.parallel import ParallelLayout, initialize_parallel

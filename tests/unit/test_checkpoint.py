@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from megahet import checkpoint
-from megahet.config import ConfigError, MegahetConfig, apply_overrides, validate
+from megahet.config import ConfigError, MegahetConfig, apply_overrides
+from megahet.config_checks import validate
 from megahet.engine import build_engine, lr_lambda
 
 

@@ -16,8 +16,8 @@ from megahet.config import (
     apply_overrides,
     load_config,
     load_deepspeed_json,
-    validate,
 )
+from megahet.config_checks import validate
 
 
 def _one_line(err: pytest.ExceptionInfo[BaseException], *needles: str) -> str:

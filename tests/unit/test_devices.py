@@ -124,7 +124,8 @@ def test_attach_needs_resizable_layers():
 
 
 def test_device_config_errors_before_ranks_start():
-    from megahet.config import ConfigError, load_config, validate
+    from megahet.config import ConfigError, load_config
+    from megahet.config_checks import validate
 
     cfg = load_config(["--device.profile", "static:1,1,1", "--parallel.tp", "2"])
     with pytest.raises(ConfigError, match="device.profile: .*2 ranks"):

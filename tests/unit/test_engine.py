@@ -21,7 +21,8 @@ import pytest
 import torch
 from deepspeed.runtime.config import DeepSpeedConfig
 
-from megahet.config import ConfigError, MegahetConfig, apply_overrides, validate
+from megahet.config import ConfigError, MegahetConfig, apply_overrides
+from megahet.config_checks import validate
 from megahet.engine import (
     build_engine,
     deepspeed_config,

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from megahet.config import load_config, validate
+from megahet.config import load_config
+from megahet.config_checks import validate
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -1,0 +1,131 @@
+"""Checks of a whole configuration against the world size, before any rank starts work: every bad value
+is a one-line `ConfigError` that names the key and the fix.
+
+    dp = validate(load_config(argv), world_size=8)   # the data-parallel size
+"""
+
+from __future__ import annotations
+
+from megahet.config import ConfigError, MegahetConfig
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def validate(cfg: MegahetConfig, world_size: int) -> int:
+    """Check the whole configuration against the world size; returns the data-parallel size."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        _require(getattr(m, key) > 0, f"model.{key} must be positive, got {getattr(m, key)}")
+    _require(p.tp >= 1 and p.pp >= 1, f"parallel.tp and parallel.pp must be >= 1 (got {p.tp}, {p.pp})")
+    _require(
+        m.hidden_size % m.num_attention_heads == 0,
+        f"model.hidden_size {m.hidden_size} is not divisible by model.num_attention_heads "
+        f"{m.num_attention_heads}: pick a head count that divides it",
+    )
+    _require(
+        m.num_attention_heads % p.tp == 0,
+        f"parallel.tp {p.tp} does not divide model.num_attention_heads {m.num_attention_heads}: "
+        f"use a TP size that divides the head count",
+    )
+    # TP divides the heads and the heads divide hidden_size, so TP divides hidden_size too.
+    _require(
+        m.ffn_hidden_size is None or m.ffn_hidden_size > 0,
+        f"model.ffn_hidden_size must be positive, got {m.ffn_hidden_size} (leave it unset for 4 * hidden_size)",
+    )
+    _require(
+        m.ffn_size % p.tp == 0,
+        f"parallel.tp {p.tp} does not divide the MLP size {m.ffn_size} (model.ffn_hidden_size, default "
+        f"4 * hidden_size): use a TP size that divides it or set model.ffn_hidden_size",
+    )
+    _require(
+        m.num_layers % p.pp == 0,
+        f"parallel.pp {p.pp} does not divide model.num_layers {m.num_layers}: "
+        f"use a layer count that is a multiple of the pipeline size",
+    )
+    _require(
+        world_size % (p.tp * p.pp) == 0,
+        f"world size {world_size} is not divisible by TP*PP = {p.tp}*{p.pp} = {p.tp * p.pp}: "
+        f"launch a multiple of {p.tp * p.pp} ranks or change parallel.tp / parallel.pp",
+    )
+    _require(p.zero_stage in (1, 2), f"parallel.zero_stage must be 1 or 2, got {p.zero_stage}")
+    _require(
+        not (p.zero_stage == 2 and p.pp > 1),
+        f"ZeRO stage 2 does not support pipeline parallelism (pp={p.pp}): "
+        f"use parallel.zero_stage=1 with pp > 1, or pp=1",
+    )
+    dp = world_size // (p.tp * p.pp)
+    _require(t.micro_batch_size > 0, f"train.micro_batch_size must be positive, got {t.micro_batch_size}")
+    _require(t.global_batch_size > 0, f"train.global_batch_size must be positive, got {t.global_batch_size}")
+    _require(
+        t.global_batch_size % (t.micro_batch_size * dp) == 0,
+        f"train.global_batch_size {t.global_batch_size} is not a multiple of micro_batch_size * DP = "
+        f"{t.micro_batch_size} * {dp}: change one of them",
+    )
+    _require(t.train_iters > 0, f"train.train_iters must be positive, got {t.train_iters}")
+    for key in ("log_interval", "eval_interval", "eval_iters"):
+        _require(getattr(t, key) > 0, f"train.{key} must be positive, got {getattr(t, key)}")
+    _require(
+        t.lr > 0 and t.min_lr >= 0, f"train.lr must be > 0 and train.min_lr >= 0 (got {t.lr}, {t.min_lr})"
+    )
+    _require(
+        t.min_lr <= t.lr,
+        f"train.min_lr {t.min_lr} is above train.lr {t.lr}: the schedule decays from lr to min_lr; lower min_lr",
+    )
+    for key in ("save_interval", "keep_last"):
+        _require(getattr(t, key) >= 0, f"train.{key} must be >= 0, got {getattr(t, key)}")
+    _require(
+        not (t.save_interval and not t.save),
+        f"train.save_interval {t.save_interval} needs train.save (the checkpoint directory)",
+    )
+    _validate_resize(cfg, dp)
+    _validate_device(cfg)
+    b = cfg.balance
+    _require(b.interval > 0 and b.window > 0, "balance.interval and balance.window must be positive")
+    _require(
+        not (b.mode in ("migrate", "semi") and p.zero_stage == 2),
+        f"balance.mode={b.mode} migrates units and needs ZeRO-1: set parallel.zero_stage=1",
+    )
+    return dp
+
+
+def _validate_device(cfg: MegahetConfig) -> None:
+    from megahet.devices import parse_profile
+
+    d = cfg.device
+    _require(d.rate_gflops > 0, f"device.rate_gflops must be positive, got {d.rate_gflops}")
+    if d.profile:
+        try:
+            parse_profile(d.profile).check(cfg.parallel.tp)
+        except ValueError as err:
+            raise ConfigError(f"device.profile: {err}") from None
+
+
+def _validate_resize(cfg: MegahetConfig, dp: int) -> None:
+    from megahet.balance.resize_planner import parse_block_gammas, parse_migrations, parse_rank_gammas
+
+    r = cfg.resize
+    try:
+        parse_rank_gammas(r.gamma, dp, cfg.parallel.tp)
+        parse_migrations(r.migrate, dp, cfg.parallel.tp)
+        blocks = parse_block_gammas(r.block_gamma)
+    except ValueError as err:
+        raise ConfigError(f"resize: {err}") from None
+    for kind, layer in blocks:
+        _require(
+            1 <= layer <= cfg.model.num_layers,
+            f"resize.block_gamma names {kind}:{layer}, but layers are 1..{cfg.model.num_layers}",
+        )
+    _require(
+        not (r.migrate and cfg.parallel.zero_stage == 2),
+        "resize.migrate needs ZeRO-1: ZeRO-2 reduces gradients during the backward pass, before helpers "
+        "return the migrated units' gradients; set parallel.zero_stage=1",
+    )
+    _require(r.reselect_interval > 0, f"resize.reselect_interval must be positive, got {r.reselect_interval}")
+    _require(r.max_drop_steps > 0, f"resize.max_drop_steps must be positive, got {r.max_drop_steps}")
+    _require(0.0 <= r.score_decay < 1.0, f"resize.score_decay must be in [0, 1), got {r.score_decay}")
+    _require(
+        r.score_samples >= 0, f"resize.score_samples must be >= 0 (0 = every element), got {r.score_samples}"
+    )

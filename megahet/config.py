@@ -147,10 +147,10 @@ class ResizeConfig:
     """Gradient of units no replica computed: zero (frozen), same (last measured), average (mean of kept)."""
     selection: Literal["random", "priority"] = "priority"
     """Which units to drop: random (seeded) or priority (lowest `priority_score` first)."""
-    priority_score: Literal["variance", "snr", "signal"] = "variance"
+    priority_score: Literal["variance", "snr", "signal", "taylor"] = "variance"
     """Priority of a unit from its gradient statistics: variance over steps, snr (steady share of the
-    gradient, what Adam's update size follows) or signal (norm of the mean gradient); see
-    megahet/balance/selection.py."""
+    gradient, what Adam's update size follows), signal (norm of the mean gradient) or taylor (squared
+    first-order loss change of removing the unit, (g . w)^2); see megahet/balance/selection.py."""
     reselect_interval: int = 10
     """Steps between two selections of the dropped units."""
     max_drop_steps: int = 50

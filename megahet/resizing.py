@@ -140,7 +140,8 @@ class ResizeController:
                 grad = self.executor.unit_gradients[block]  # (units, elements), on the device
                 stats = self.stats.get(block) or GradientStats.empty(n, grad.shape[1], grad.device)
                 computed = self.executor.computed_units(block)
-                self.stats[block] = update_gradient_stats(stats, grad, computed, self.cfg.score_decay)
+                weight = self.executor.unit_weights.get(block)  # (units, elements)
+                self.stats[block] = update_gradient_stats(stats, grad, computed, self.cfg.score_decay, weight)
             for rank in self.gammas:
                 dropped = np.zeros(n, bool)
                 dropped[list(plan.dropped(block, *rank))] = True

@@ -60,22 +60,30 @@ class GradientStats:
     mean: torch.Tensor  # (units, sampled elements per unit)
     sq: torch.Tensor  # (units,)
     count: torch.Tensor  # (units,) int64, measurements so far
+    taylor: torch.Tensor  # (units,) EMA of (g . w)^2, the first-order loss change of removing the unit
 
     @classmethod
     def empty(cls, num_units: int, elements: int, device=None) -> GradientStats:
         zeros = functools.partial(torch.zeros, device=device)
-        return cls(zeros(num_units, elements), zeros(num_units), zeros(num_units, dtype=torch.long))
+        return cls(
+            zeros(num_units, elements), zeros(num_units), zeros(num_units, dtype=torch.long), zeros(num_units)
+        )
 
     @classmethod
     def from_saved(cls, saved: dict, device=None) -> GradientStats:
-        """From a checkpoint's `dataclasses.asdict(stats)` (tensors, or numpy arrays of older ones)."""
+        """From a checkpoint's `dataclasses.asdict(stats)` (tensors, or numpy arrays of older ones;
+        checkpoints from before the taylor term restart it at zero)."""
         mean, sq, count = (torch.as_tensor(saved[k], device=device) for k in ("mean", "sq", "count"))
-        return cls(mean.float(), sq.float(), count.long())
+        taylor = (
+            torch.as_tensor(saved["taylor"], device=device) if "taylor" in saved else torch.zeros_like(sq)
+        )
+        return cls(mean.float(), sq.float(), count.long(), taylor.float())
 
 
-def update_gradient_stats(stats: GradientStats, grad, computed, decay: float) -> GradientStats:
+def update_gradient_stats(stats: GradientStats, grad, computed, decay: float, weight=None) -> GradientStats:
     """Fold one step's unit gradients (units, elements) into the EMAs of the computed units, in place
-    (no new buffers every step); returns `stats`.
+    (no new buffers every step); returns `stats`. `weight` (units, elements): the units' weights at the
+    same elements in that step's forward pass, for the taylor term (left as it is without).
 
     A unit's first measurement sets its statistics; units not computed keep theirs.
     """
@@ -85,11 +93,14 @@ def update_gradient_stats(stats: GradientStats, grad, computed, decay: float) ->
     new = torch.where(computed, new, 0.0).to(grad.dtype)  # a dropped unit's gradient is not data
     stats.mean.lerp_(grad, new[:, None])  # mean + new * (grad - mean)
     stats.sq.lerp_(grad.square().sum(dim=1), new)
+    if weight is not None:
+        weight = torch.as_tensor(weight, device=grad.device).to(grad.dtype)  # (units, elements)
+        stats.taylor.lerp_((grad * weight).sum(dim=1).square(), new)
     stats.count += computed.long()
     return stats
 
 
-PriorityScore = Literal["variance", "snr", "signal"]
+PriorityScore = Literal["variance", "snr", "signal", "taylor"]
 PRIORITY_SCORES: tuple[str, ...] = typing.get_args(PriorityScore)
 
 
@@ -103,7 +114,11 @@ def priority_scores(stats: GradientStats, score: PriorityScore = "variance") -> 
     - "snr": ||E g||^2 / E||g||^2 in [0, 1], the steady share of the gradient. Adam divides every
       element's step by its RMS gradient, so a unit's expected update size follows this share, not
       the gradient's scale: a low-SNR unit's Adam updates mostly cancel out, and freezing it costs
-      least.
+      least;
+    - "taylor": E[(g . w)^2], the squared first-order change of the loss when the unit is removed from
+      the forward pass (Molchanov et al., "Importance Estimation for Neural Network Pruning", 2019).
+      A dropped unit is absent from the straggler's forward pass, so this ranks units by what their
+      absence costs, where the others rank by what their frozen update costs.
 
     +inf until a unit has two measurements (one sample has neither variance nor a mean), so
     unmeasured units are never preferred for dropping.
@@ -115,6 +130,8 @@ def priority_scores(stats: GradientStats, score: PriorityScore = "variance") -> 
         value = (stats.sq - signal).clamp(min=0.0)
     elif score == "signal":
         value = signal
+    elif score == "taylor":
+        value = stats.taylor
     else:
         value = signal / stats.sq.clamp(min=torch.finfo(stats.sq.dtype).tiny)
     scores = torch.where(stats.count >= 2, value, torch.inf)

@@ -78,6 +78,9 @@ class ResizeExecutor:
         self.unit_gradients: dict[BlockKey, torch.Tensor] = {}
         """With track_gradients: each unit's local gradient of the last step at the sampled elements,
         (units, samples) (every element when score_samples is 0 or covers the unit)."""
+        self.unit_weights: dict[BlockKey, torch.Tensor] = {}
+        """With track_gradients: each unit's weights at the same elements as they were in that step's
+        forward pass (taken before the optimizer step), (units, samples)."""
         self._sample_index: dict[UnitParam, tuple | None] = {}
         self._sample_grad: dict[UnitParam, torch.Tensor] = {}
         for block in self.blocks.values():
@@ -185,9 +188,16 @@ class ResizeExecutor:
         return hook
 
     def before_step(self, optimizer=None) -> None:
-        """Bring migrated units' gradients home; under the zero policy, remember every frozen unit."""
+        """Bring migrated units' gradients home; sample the unit weights the step's gradients were taken
+        at (statistics); under the zero policy, remember every frozen unit."""
         if self.exchange.active:
             self.exchange.pull_grads()
+        if self.track_gradients:
+            for key, block in self.blocks.items():
+                self.unit_weights[key] = torch.cat(
+                    [_take(up.units(up.param.detach()), self._sample_index[up]) for up in block.unit_params],
+                    dim=1,
+                )
         self._frozen = []
         if self.imputation != "zero":
             return

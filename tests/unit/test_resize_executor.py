@@ -234,7 +234,7 @@ def test_unit_gradient_statistics_input(world1) -> None:
 
 
 def test_sampled_statistics_follow_the_same_elements_of_every_unit(world1) -> None:
-    """score_samples=k: each unit's tracked gradient is the full one at k fixed coordinates (the same
+    """score_samples=k: each unit's tracked gradient (and weights) is the full one at k fixed coordinates (the same
     for every unit, and for every executor: seeded by the block), so memory and time do not grow with
     the model; k >= a unit's size (or 0) is every element."""
     from megahet.tensor_parallel.executor import _sample_elements
@@ -246,9 +246,14 @@ def test_sampled_statistics_follow_the_same_elements_of_every_unit(world1) -> No
     for executor in (full, sampled):
         executor.apply(_plan(DROPS))
     backward(model, batches(50))
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}  # the forward pass's weights
     for executor in (full, sampled):
+        executor.before_step(optimizer)
         executor.after_step(optimizer)
     for key, block in full.blocks.items():
+        for u in range(num_units(key)):  # the taylor term's weights: the unit's, as gradients are laid out
+            weights = torch.cat([unit(params[n], dim, w, u).reshape(-1) for n, dim, w in unit_params(key)])
+            torch.testing.assert_close(full.unit_weights[key][u], weights.float(), rtol=0.0, atol=0.0)
         sizes = [up.units(up.param).shape[1:].numel() for up in block.unit_params]
         index = _sample_elements(block, 40)
         assert sum(len(ix[0]) for ix in index.values()) == 40
@@ -265,6 +270,7 @@ def test_sampled_statistics_follow_the_same_elements_of_every_unit(world1) -> No
             ]
         )
         torch.testing.assert_close(sampled.unit_gradients[key], full.unit_gradients[key][:, columns])
+        torch.testing.assert_close(sampled.unit_weights[key], full.unit_weights[key][:, columns])
         assert sampled.unit_gradients[key].shape == (num_units(key), 40)
         assert set(_sample_elements(block, sum(sizes)).values()) == {None}  # the whole unit
         assert set(_sample_elements(block, 0).values()) == {None}

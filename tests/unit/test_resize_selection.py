@@ -151,7 +151,9 @@ def test_priority_scores_need_two_measurements_and_measure_variance() -> None:
 
 
 def test_gradient_stats_are_emas_and_dropped_units_keep_theirs() -> None:
-    stats = GradientStats(torch.tensor([[2.0], [4.0]]), torch.tensor([4.0, 16.0]), torch.tensor([3, 3]))
+    stats = GradientStats(
+        torch.tensor([[2.0], [4.0]]), torch.tensor([4.0, 16.0]), torch.tensor([3, 3]), torch.zeros(2)
+    )
     mean = stats.mean
     out = update_gradient_stats(stats, np.array([[6.0], [100.0]]), np.array([True, False]), decay=0.75)
     assert out.mean[:, 0].tolist() == [0.75 * 2 + 0.25 * 6, 4.0]
@@ -164,10 +166,11 @@ def test_gradient_stats_stay_float32_tensors_and_round_trip_a_checkpoint() -> No
     stats = GradientStats.empty(3, 4)
     stats = update_gradient_stats(stats, torch.randn(3, 4, dtype=torch.float64), np.ones(3, bool), 0.9)
     assert (stats.mean.dtype, stats.sq.dtype, stats.count.dtype) == (torch.float32, torch.float32, torch.long)
-    numpy_saved = {k: v.numpy() for k, v in dataclasses.asdict(stats).items()}  # older checkpoints
+    numpy_saved = {k: v.numpy() for k, v in dataclasses.asdict(stats).items() if k != "taylor"}  # older ones
     for saved in (dataclasses.asdict(stats), numpy_saved):
         back = GradientStats.from_saved(saved)
         assert all(torch.equal(getattr(back, k), getattr(stats, k)) for k in ("mean", "sq", "count"))
+        assert torch.equal(back.taylor, stats.taylor if "taylor" in saved else torch.zeros(3))
 
 
 def test_priority_drops_the_least_varying_units_on_a_constructed_example() -> None:
@@ -203,10 +206,25 @@ def test_each_priority_score_drops_its_own_least_important_units(score, expected
         assert scores[[0, 2]] == pytest.approx(1.0) and (scores[[1, 3]] < 0.5).all()  # a share in [0, 1]
 
 
+def test_taylor_score_ranks_units_by_the_loss_change_of_removing_them() -> None:
+    """Same gradients, different weights: (g . w)^2 is zero for a zero unit (removing it changes
+    nothing) and largest for weights aligned with the gradient; without weights the term stays put."""
+    stats = GradientStats.empty(3, 4)
+    grad = np.ones((3, 4))
+    weight = np.array([[0.0] * 4, [1.0, -1.0, 2.0, 0.0], [1.0] * 4])  # g . w = 0, 2, 4
+    for _ in range(3):
+        stats = update_gradient_stats(stats, grad, np.ones(3, bool), decay=0.5, weight=weight)
+    assert stats.taylor.tolist() == pytest.approx([0.0, 4.0, 16.0])
+    stats = update_gradient_stats(stats, 2 * grad, np.ones(3, bool), decay=0.5)
+    assert stats.taylor.tolist() == pytest.approx([0.0, 4.0, 16.0])
+    scores = priority_scores(stats, "taylor")
+    assert select_priority(scores, np.zeros(3, int), n_drop=1, max_drop_steps=10) == (0,)
+
+
 def test_priority_score_names_the_choices() -> None:
     with pytest.raises(ValueError) as err:
         priority_scores(GradientStats.empty(2, 2), "l1")
-    _one_line(err, "priority score must be one of variance, snr, signal", "'l1'")
+    _one_line(err, "priority score must be one of variance, snr, signal, taylor", "'l1'")
 
 
 def test_update_drop_age_counts_consecutive_drops_and_resets() -> None:

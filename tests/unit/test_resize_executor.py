@@ -471,7 +471,8 @@ def run_controller(controller, model, optimizer, steps, before_step=lambda t: No
     return plans
 
 
-def test_controller_state_round_trip_resumes_the_same_plans(world1) -> None:
+@pytest.mark.parametrize("score", ["variance", "taylor"])
+def test_controller_state_round_trip_resumes_the_same_plans(world1, score) -> None:
     """Model + optimizer + ResizeController restored from their state dicts at step 5 continue with
     exactly the plans (priority selection, 'same' imputation) and weights the uninterrupted run has."""
     import copy
@@ -481,7 +482,8 @@ def test_controller_state_round_trip_resumes_the_same_plans(world1) -> None:
     from megahet.resizing import ResizeController
 
     args = (
-        "--resize.gamma 0:0.5 --resize.reselect_interval 2 --resize.imputation same --resize.max_drop_steps 4"
+        "--resize.gamma 0:0.5 --resize.reselect_interval 2 --resize.imputation same --resize.max_drop_steps 4 "
+        f"--resize.priority_score {score}"
     )
     cfg = load_config(args.split())
     model = gpt()

@@ -27,93 +27,27 @@ import numpy as np
 import pytest
 import torch
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-from megatron.core import tensor_parallel
+from resize_gpt import (
+    DROPS,
+    FFN,
+    HEADS,
+    HIDDEN,
+    SEED,  # noqa: F401  (the world1 fixture seeds this module's world with it)
+    backward,
+    batches,
+    gpt,
+    num_units,
+    step,
+    unit,
+    unit_params,
+)
+from resize_gpt import plan_of as _plan
 
-from megahet.config import MegahetConfig, apply_overrides, load_config
-from megahet.models.common import resizable_layer_spec
-from megahet.models.gpt import build_gpt
+from megahet.config import load_config
 from megahet.tensor_parallel.executor import ResizeExecutor
 from megahet.tensor_parallel.plan import ResizePlan
 
 REPO = Path(__file__).resolve().parents[2]
-SEED = 4321
-LAYERS, HIDDEN, HEADS, FFN = 2, 32, 4, 64
-HN = HIDDEN // HEADS
-VOCAB, SEQ, MICRO = 64, 8, 2
-
-DROPS = {("mlp", 1): (2, 3, 10, 31, 47, 60), ("attn", 1): (1,), ("attn", 2): (0, 3), ("mlp", 2): (0, 63)}
-
-
-def gpt() -> torch.nn.Module:
-    cfg = apply_overrides(
-        MegahetConfig(),
-        {
-            "model.num_layers": LAYERS,
-            "model.hidden_size": HIDDEN,
-            "model.num_attention_heads": HEADS,
-            "model.ffn_hidden_size": FFN,
-            "model.seq_length": SEQ,
-            "model.make_vocab_size_divisible_by": 1,
-        },
-    )
-    torch.manual_seed(SEED)
-    tensor_parallel.model_parallel_cuda_manual_seed(SEED)
-    return build_gpt(cfg, VOCAB, resizable_layer_spec())
-
-
-def batches(step: int, n: int = 2) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(100 + step)
-    return [
-        {
-            "tokens": torch.randint(0, VOCAB, (MICRO, SEQ), generator=g),
-            "labels": torch.randint(0, VOCAB, (MICRO, SEQ), generator=g),
-        }
-        for _ in range(n)
-    ]
-
-
-def backward(model, micro_batches: list[dict[str, torch.Tensor]]) -> None:
-    """Accumulate the gradients of the micro-batches (each loss divided by their count, as the schedule does)."""
-    positions = torch.arange(SEQ).expand(MICRO, SEQ)
-    for b in micro_batches:
-        loss = model(b["tokens"], positions, None, labels=b["labels"]).mean() / len(micro_batches)
-        loss.backward()
-
-
-def step(model, executor, optimizer, micro_batches) -> dict[str, torch.Tensor]:
-    """One training step as the Trainer drives it; returns the gradients the optimizer saw."""
-    optimizer.zero_grad(set_to_none=True)
-    backward(model, micro_batches)
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    executor.before_step(optimizer)
-    optimizer.step()
-    executor.after_step(optimizer)
-    return grads
-
-
-def unit_params(key: tuple[str, int]) -> list[tuple[str, int, int]]:
-    """(parameter name, unit axis, unit width) of a block's units, spelled out independently of blocks.py."""
-    kind, layer = key
-    prefix = f"decoder.layers.{layer - 1}."
-    if kind == "mlp":
-        return [(prefix + "mlp.linear_fc1.weight", 0, 1), (prefix + "mlp.linear_fc1.bias", 0, 1),
-                (prefix + "mlp.linear_fc2.weight", 1, 1)]  # fmt: skip
-    return [(prefix + "self_attention.linear_qkv.weight", 0, 3 * HN),
-            (prefix + "self_attention.linear_qkv.bias", 0, 3 * HN),
-            (prefix + "self_attention.linear_proj.weight", 1, HN)]  # fmt: skip
-
-
-def unit(tensor: torch.Tensor, dim: int, width: int, u: int) -> torch.Tensor:
-    return tensor.narrow(dim, u * width, width)
-
-
-def num_units(key: tuple[str, int]) -> int:
-    return FFN if key[0] == "mlp" else HEADS
-
-
-def _plan(drops) -> ResizePlan:
-    return ResizePlan({block: {(0, 0): units} for block, units in drops.items()})
-
 
 # --- gradient policy -------------------------------------------------------------------------------
 
@@ -453,103 +387,3 @@ def test_deepspeed_zero_leaves_dropped_units_untouched(world1, tmp_path: Path, z
                 assert not torch.equal(
                     unit(after["module"][name], dim, width, u), unit(before["module"][name], dim, width, u)
                 )
-
-
-def run_controller(controller, model, optimizer, steps, before_step=lambda t: None) -> list[dict]:
-    """Train `model` with `controller` as the Trainer would; returns each step's plan."""
-    engine = type("Engine", (), {"optimizer": optimizer})()
-    plans = []
-    for t in steps:
-        before_step(t)
-        controller.before_forward_backward(t)
-        optimizer.zero_grad(set_to_none=True)
-        backward(model, batches(t))
-        controller.before_step(engine)
-        optimizer.step()
-        controller.after_step(engine)
-        plans.append(controller.executor.plan.to_dict())
-    return plans
-
-
-@pytest.mark.parametrize("score", ["variance", "taylor"])
-def test_controller_state_round_trip_resumes_the_same_plans(world1, score) -> None:
-    """Model + optimizer + ResizeController restored from their state dicts at step 5 continue with
-    exactly the plans (priority selection, 'same' imputation) and weights the uninterrupted run has."""
-    import copy
-
-    from megahet.config import load_config
-    from megahet.parallel import current_layout
-    from megahet.resizing import ResizeController
-
-    args = (
-        "--resize.gamma 0:0.5 --resize.reselect_interval 2 --resize.imputation same --resize.max_drop_steps 4 "
-        f"--resize.priority_score {score}"
-    )
-    cfg = load_config(args.split())
-    model = gpt()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ctrl = ResizeController(cfg, model, current_layout(), num_microbatches=2)
-
-    def run(controller, first, last):
-        return run_controller(controller, model, optimizer, range(first, last))
-
-    run(ctrl, 0, 5)
-    saved = copy.deepcopy((model.state_dict(), optimizer.state_dict(), ctrl.state_dict()))
-    expected_plans = run(ctrl, 5, 11)
-    expected_weights = copy.deepcopy(model.state_dict())
-
-    model.load_state_dict(saved[0])
-    optimizer.load_state_dict(saved[1])
-    restored = ResizeController(cfg, model, current_layout(), num_microbatches=2)  # fresh hooks, fresh state
-    ctrl.executor.apply(ResizePlan())  # the old controller's hooks stay registered: make them inert
-    ctrl.executor._step_grad.clear()
-    restored.load_state_dict(saved[2])
-    assert run(restored, 5, 11) == expected_plans
-    assert len({str(p) for p in expected_plans}) > 1  # the plan really changed over the continuation
-    for name, value in model.state_dict().items():
-        if torch.is_tensor(value):  # megatron-core also keeps non-tensor "_extra_state" entries
-            assert torch.equal(value, expected_weights[name]), name
-
-
-def test_controller_resizes_a_rank_the_balancer_names_for_the_first_time(world1) -> None:
-    """The balancer sets gammas at run time for ranks the config never resized; priority selection
-    (drop ages per rank) must plan them too, and the ages start counting from there."""
-    from megahet.config import load_config
-    from megahet.parallel import current_layout
-    from megahet.resizing import ResizeController
-
-    cfg = load_config(["--resize.selection", "priority", "--balance.mode", "resize"])
-    model = gpt()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ctrl = ResizeController(cfg, model, current_layout(), num_microbatches=2)
-
-    def balancer(t):
-        if t == 1:
-            ctrl.gammas = {(0, 0): 0.5}  # what BalanceController does
-            ctrl.request_replan()
-
-    run_controller(ctrl, model, optimizer, range(3), balancer)
-    for block, n in ctrl.units.items():
-        dropped = ctrl.executor.plan.dropped(block, 0, 0)
-        assert len(dropped) == n // 2
-        assert sorted(ctrl.drop_age[(block, (0, 0))].nonzero()[0]) == sorted(dropped)
-
-
-@pytest.mark.parametrize(
-    ("args", "tracked"),
-    [
-        (["--balance.mode", "semi"], True),
-        (["--balance.mode", "resize"], True),
-        (["--resize.gamma", "1:0.5"], True),
-        (["--balance.mode", "migrate"], False),  # migration never selects units
-        (["--resize.migrate", "1:0.5"], False),
-        (["--balance.mode", "semi", "--resize.selection", "random"], False),
-    ],
-)
-def test_priority_statistics_are_kept_only_where_units_can_be_dropped(args, tracked) -> None:
-    """Per-unit gradient statistics cost a copy of the gradients every step: only resizing needs them."""
-    from megahet.config import load_config
-    from megahet.resizing import ResizeController
-
-    cfg = load_config(["--parallel.tp", "2", *args])
-    assert ResizeController.tracks_priority(cfg) is tracked

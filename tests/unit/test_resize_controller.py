@@ -1,0 +1,114 @@
+"""Tests of megahet's ResizeController in one process (TP=1, DP=1, gloo): a checkpoint round trip resumes
+exactly the same plans (per priority score), a rank the balancer resizes for the first time is
+planned, and the priority statistics are kept only where units can be dropped.
+
+Run: ``python -m pytest tests/unit/test_resize_controller.py -q`` (about 30 s).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from resize_gpt import (
+    SEED,  # noqa: F401  (the world1 fixture seeds this module's world with it)
+    backward,
+    batches,
+    gpt,
+)
+
+from megahet.config import load_config
+from megahet.parallel import current_layout
+from megahet.resizing import ResizeController
+from megahet.tensor_parallel.plan import ResizePlan
+
+
+def run_controller(controller, model, optimizer, steps, before_step=lambda t: None) -> list[dict]:
+    """Train `model` with `controller` as the Trainer would; returns each step's plan."""
+    engine = type("Engine", (), {"optimizer": optimizer})()
+    plans = []
+    for t in steps:
+        before_step(t)
+        controller.before_forward_backward(t)
+        optimizer.zero_grad(set_to_none=True)
+        backward(model, batches(t))
+        controller.before_step(engine)
+        optimizer.step()
+        controller.after_step(engine)
+        plans.append(controller.executor.plan.to_dict())
+    return plans
+
+
+@pytest.mark.parametrize("score", ["variance", "taylor"])
+def test_controller_state_round_trip_resumes_the_same_plans(world1, score) -> None:
+    """Model + optimizer + ResizeController restored from their state dicts at step 5 continue with
+    exactly the plans (priority selection, 'same' imputation) and weights the uninterrupted run has."""
+
+    args = (
+        "--resize.gamma 0:0.5 --resize.reselect_interval 2 --resize.imputation same --resize.max_drop_steps 4 "
+        f"--resize.priority_score {score}"
+    )
+    cfg = load_config(args.split())
+    model = gpt()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ctrl = ResizeController(cfg, model, current_layout(), num_microbatches=2)
+
+    def run(controller, first, last):
+        return run_controller(controller, model, optimizer, range(first, last))
+
+    run(ctrl, 0, 5)
+    saved = copy.deepcopy((model.state_dict(), optimizer.state_dict(), ctrl.state_dict()))
+    expected_plans = run(ctrl, 5, 11)
+    expected_weights = copy.deepcopy(model.state_dict())
+
+    model.load_state_dict(saved[0])
+    optimizer.load_state_dict(saved[1])
+    restored = ResizeController(cfg, model, current_layout(), num_microbatches=2)  # fresh hooks, fresh state
+    ctrl.executor.apply(ResizePlan())  # the old controller's hooks stay registered: make them inert
+    ctrl.executor._step_grad.clear()
+    restored.load_state_dict(saved[2])
+    assert run(restored, 5, 11) == expected_plans
+    assert len({str(p) for p in expected_plans}) > 1  # the plan really changed over the continuation
+    for name, value in model.state_dict().items():
+        if torch.is_tensor(value):  # megatron-core also keeps non-tensor "_extra_state" entries
+            assert torch.equal(value, expected_weights[name]), name
+
+
+def test_controller_resizes_a_rank_the_balancer_names_for_the_first_time(world1) -> None:
+    """The balancer sets gammas at run time for ranks the config never resized; priority selection
+    (drop ages per rank) must plan them too, and the ages start counting from there."""
+
+    cfg = load_config(["--resize.selection", "priority", "--balance.mode", "resize"])
+    model = gpt()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ctrl = ResizeController(cfg, model, current_layout(), num_microbatches=2)
+
+    def balancer(t):
+        if t == 1:
+            ctrl.gammas = {(0, 0): 0.5}  # what BalanceController does
+            ctrl.request_replan()
+
+    run_controller(ctrl, model, optimizer, range(3), balancer)
+    for block, n in ctrl.units.items():
+        dropped = ctrl.executor.plan.dropped(block, 0, 0)
+        assert len(dropped) == n // 2
+        assert sorted(ctrl.drop_age[(block, (0, 0))].nonzero()[0]) == sorted(dropped)
+
+
+@pytest.mark.parametrize(
+    ("args", "tracked"),
+    [
+        (["--balance.mode", "semi"], True),
+        (["--balance.mode", "resize"], True),
+        (["--resize.gamma", "1:0.5"], True),
+        (["--balance.mode", "migrate"], False),  # migration never selects units
+        (["--resize.migrate", "1:0.5"], False),
+        (["--balance.mode", "semi", "--resize.selection", "random"], False),
+    ],
+)
+def test_priority_statistics_are_kept_only_where_units_can_be_dropped(args, tracked) -> None:
+    """Per-unit gradient statistics cost a copy of the gradients every step: only resizing needs them."""
+
+    cfg = load_config(["--parallel.tp", "2", *args])
+    assert ResizeController.tracks_priority(cfg) is tracked

@@ -151,6 +151,9 @@ class ResizeConfig:
     """Priority of a unit from its gradient statistics: variance over steps, snr (steady share of the
     gradient, what Adam's update size follows), signal (norm of the mean gradient) or taylor (squared
     first-order loss change of removing the unit, (g . w)^2); see megahet/balance/selection.py."""
+    priority_temperature: float = 1.0
+    """0: drop the lowest scores; t > 0: sample the dropped units with probability proportional to
+    score^(-1/t) (seeded: reproducible, the same on every rank); large t approaches random."""
     reselect_interval: int = 10
     """Steps between two selections of the dropped units."""
     max_drop_steps: int = 50

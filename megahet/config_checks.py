@@ -125,6 +125,10 @@ def _validate_resize(cfg: MegahetConfig, dp: int) -> None:
     )
     _require(r.reselect_interval > 0, f"resize.reselect_interval must be positive, got {r.reselect_interval}")
     _require(r.max_drop_steps > 0, f"resize.max_drop_steps must be positive, got {r.max_drop_steps}")
+    _require(
+        r.priority_temperature >= 0,
+        f"resize.priority_temperature must be >= 0 (0 = lowest scores first), got {r.priority_temperature}",
+    )
     _require(0.0 <= r.score_decay < 1.0, f"resize.score_decay must be in [0, 1), got {r.score_decay}")
     _require(
         r.score_samples >= 0, f"resize.score_samples must be >= 0 (0 = every element), got {r.score_samples}"

@@ -102,14 +102,18 @@ class ResizeController:
         n_drop = min(n_drop, len(available) - 1)
         if n_drop <= 0:
             return ()
-        if self.cfg.selection == "random":
-            kind = 0 if block[0] == "attn" else 1
+        r, kind = self.cfg, 0 if block[0] == "attn" else 1
+        if r.selection == "random":
             picks = select_random(len(available), n_drop, (self.seed, self.step, block[1], kind, *rank))
-            return tuple(available[i] for i in picks)
-        age = self._drop_age(block, rank).copy()
-        age[list(moved)] = self.cfg.max_drop_steps  # migrated units are not candidates
-        scores = self.scores[(block, rank[1])]
-        return select_priority(scores, age, n_drop, self.cfg.max_drop_steps, self.cfg.reselect_interval)
+        else:
+            scores = self.scores[(block, rank[1])][available]
+            age = self._drop_age(block, rank)[available]
+            # a stream of its own (not random selection's), the same on every rank
+            seed = (self.seed, self.step, block[1], kind, *rank, 1)
+            picks = select_priority(
+                scores, age, n_drop, r.max_drop_steps, r.reselect_interval, r.priority_temperature, seed
+            )
+        return tuple(available[i] for i in picks)
 
     def _drop_age(self, block: BlockKey, rank: RankKey) -> np.ndarray:
         """A rank the balancer resizes for the first time starts with every age at zero."""

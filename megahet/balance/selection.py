@@ -32,24 +32,49 @@ def select_random(num_units: int, n_drop: int, seed) -> tuple[int, ...]:
 
 
 def select_priority(
-    scores: np.ndarray, drop_age: np.ndarray, n_drop: int, max_drop_steps: int, age_scale: float = 0.0
+    scores: np.ndarray,
+    drop_age: np.ndarray,
+    n_drop: int,
+    max_drop_steps: int,
+    age_scale: float = 0.0,
+    temperature: float = 0.0,
+    seed=None,
 ) -> tuple[int, ...]:
-    """The n_drop lowest-score units, never one already dropped for max_drop_steps steps in a row.
+    """n_drop units, the low scores first, never one already dropped for max_drop_steps steps in a row.
 
     Aging (age_scale > 0): a dropped unit's score counts (1 + drop_age / age_scale) times, so a unit
     that has missed one selection period (age_scale = the reselect interval) counts double. A dropped
     unit's statistics stop moving while the rest of the model trains; without aging the same
     low-variance units would be dropped again at every selection until the guard, a frozen slice of
-    the model. Ties break by unit index. If the guard leaves fewer than n_drop candidates, fewer are
-    dropped.
+    the model.
+
+    temperature 0: the n_drop lowest (aged) scores; ties break by unit index. temperature t > 0: n_drop
+    units sampled without replacement, each with probability proportional to score^(-1/t)
+    (Gumbel-top-k, drawn from `seed`, so every rank that plans draws the same units): a unit with
+    half the score of another is 2^(1/t) times as likely to be dropped, and t -> inf is uniform
+    random selection. Unmeasured (+inf) units count as the highest measured score (every unit alike
+    before the first measurement). If the guard leaves fewer than n_drop candidates, fewer are dropped.
     """
     scores, drop_age = np.asarray(scores, dtype=np.float64), np.asarray(drop_age)
     _check(len(scores), n_drop)
+    if temperature < 0:
+        raise ValueError(f"priority temperature must be >= 0, got {temperature}")
     if age_scale > 0:
         scores = scores * (1.0 + drop_age / age_scale)
     eligible = np.flatnonzero(drop_age < max_drop_steps)
-    order = eligible[np.lexsort((eligible, scores[eligible]))]
+    keys = scores
+    if temperature > 0:
+        keys = np.log(_measured(scores)) / temperature - np.random.default_rng(seed).gumbel(size=len(scores))
+    order = eligible[np.lexsort((eligible, keys[eligible]))]
     return tuple(sorted(int(u) for u in order[:n_drop]))
+
+
+def _measured(scores: np.ndarray) -> np.ndarray:
+    """Scores with +inf (unmeasured) as the highest finite positive score and 0 as the lowest one
+    (all ones when none is measured), so that their logarithms are finite."""
+    positive = scores[np.isfinite(scores) & (scores > 0)]
+    low, high = (positive.min(), positive.max()) if len(positive) else (1.0, 1.0)
+    return np.where(np.isinf(scores), high, np.where(scores > 0, scores, low))
 
 
 @dataclasses.dataclass

@@ -497,3 +497,23 @@ def test_lr_must_be_positive() -> None:
 
 def test_min_lr_above_lr_is_rejected() -> None:
     _invalid(_cfg(**{"train.lr": 1e-5}), 1, "train.min_lr")
+
+
+@pytest.mark.parametrize(
+    "key, value, needle",
+    [
+        ("resize.reselect_interval", 0, "must be positive"),
+        ("resize.max_drop_steps", -1, "must be positive"),
+        ("resize.score_decay", 1.0, "must be in [0, 1)"),
+        ("resize.score_samples", -5, "0 = every element"),
+        ("resize.priority_temperature", -0.5, "0 = lowest scores first"),
+    ],
+)
+def test_resize_selection_settings_are_checked(key: str, value: float, needle: str) -> None:
+    _invalid(_cfg(**{key: value}), 1, key, str(value), needle)
+
+
+def test_priority_score_must_be_a_known_score() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(["--resize.priority_score", "l1"])
+    _one_line(err, "resize.priority_score", "l1", "taylor")

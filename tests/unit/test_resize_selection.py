@@ -9,6 +9,7 @@ Run: ``python -m pytest tests/unit/test_resize_selection.py -q`` (a few seconds;
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections import Counter
@@ -122,6 +123,49 @@ def test_priority_aging_rotates_stale_units_and_keeps_the_count() -> None:
     assert all(len(drop) == 3 for drop in aged)
     kept = Counter(u for drop in aged for u in {0, 1, 2, 3} - set(drop))
     assert set(kept) == {0, 1, 2, 3} and kept[3] == max(kept.values())
+
+
+def _drop_share(scores, temperature: float, draws: int = 3000, **kw) -> np.ndarray:
+    """How often each unit is dropped (n_drop=1) over `draws` seeds."""
+    count = np.zeros(len(scores))
+    for seed in range(draws):
+        (u,) = select_priority(
+            np.array(scores), np.zeros(len(scores), int), 1, 50, temperature=temperature, seed=seed, **kw
+        )
+        count[u] += 1
+    return count / draws
+
+
+def test_priority_temperature_samples_units_in_proportion_to_score_power() -> None:
+    """t > 0: P(drop u) is proportional to score_u^(-1/t): scores 1 and 4 at t=1 give 0.8 / 0.2, at
+    t=2 2/3 / 1/3; a large t is uniform (random selection); t=0 always drops the lowest."""
+    assert _drop_share([1.0, 4.0], 1.0) == pytest.approx([0.8, 0.2], abs=0.025)
+    assert _drop_share([1.0, 4.0], 2.0) == pytest.approx([2 / 3, 1 / 3], abs=0.025)
+    assert _drop_share([1.0, 2.0, 4.0], 1e6) == pytest.approx([1 / 3] * 3, abs=0.025)
+    assert _drop_share([1.0, 4.0], 0.0, draws=50).tolist() == [1.0, 0.0]
+
+
+def test_priority_temperature_is_reproducible_and_handles_unmeasured_units() -> None:
+    scores, age = np.array([0.0, 1.0, 3.0, np.inf, 2.0, np.inf]), np.zeros(6, int)
+    draw = functools.partial(select_priority, scores, age, 3, 50, temperature=1.0)
+    assert draw(seed=(1234, 10, 1, 0)) == draw(seed=(1234, 10, 1, 0))  # every rank draws the same
+    assert len({draw(seed=s) for s in range(20)}) > 1
+    # Never measured: every unit alike (uniform), whatever the scale of the infinities.
+    assert _drop_share([np.inf] * 3, 1.0) == pytest.approx([1 / 3] * 3, abs=0.025)
+    # An unmeasured unit counts as the highest measured score, a zero score as the lowest positive one.
+    assert _drop_share([0.0, 1.0, np.inf, 4.0], 1.0) == pytest.approx(
+        _drop_share([1.0, 1.0, 4.0, 4.0], 1.0), abs=0.03
+    )
+
+
+def test_priority_temperature_honours_the_guard_and_the_count() -> None:
+    scores, age = np.array([1.0, 1.0, 5.0, 9.0]), np.array([50, 0, 0, 0])  # unit 0: dropped too long
+    for seed in range(50):
+        drop = select_priority(scores, age, 2, 50, temperature=1.0, seed=seed)
+        assert len(drop) == 2 and 0 not in drop
+    with pytest.raises(ValueError) as err:
+        select_priority(scores, age, 2, 50, temperature=-1.0)
+    _one_line(err, "priority temperature must be >= 0", "-1.0")
 
 
 def test_priority_errors() -> None:

@@ -1,15 +1,18 @@
 """Which units to drop: random (seeded) and priority selection, with a fairness guard. Pure functions.
 
-Priority: "drop the units whose gradient updates vary least". After every step each computed
-unit's gradient is folded into running statistics (EMAs of the gradient and of its squared norm,
-`update_gradient_stats`), and a unit's score is the variance of its gradient over recent steps
-(`variation_scores`); units not computed keep their statistics. Selection drops the lowest scores,
-aged by how long a unit has already been dropped (its statistics are stale: see `select_priority`).
-(The authors' prototype scored the L1 norm of the weight change instead; under Adam that is about
-lr per element for every unit, so it carries little signal.) The fairness guard keeps any unit
-that has been dropped for `max_drop_steps` consecutive steps, so no unit is dropped forever.
+Priority: "drop the units that matter least, more often". After every step each computed unit's
+gradient (a fixed sample of its elements) is folded into running statistics (`update_gradient_stats`:
+EMAs of the gradient, of its squared norm and of the squared first-order removal cost (g . w)^2);
+units not computed keep theirs. `priority_scores` turns them into one score per unit
+(`resize.priority_score`: variance, snr, signal or taylor). Selection (`select_priority`) ages a
+dropped unit's stale score by how long it has been dropped, then either drops the lowest scores
+(temperature 0) or samples the dropped units with probability proportional to score^(-1/t), so every
+unit still trains now and then and the low scores are dropped most often. (The authors' prototype
+scored the L1 norm of the weight change instead; under Adam that is about lr per element for every
+unit, so it carries little signal.) The fairness guard keeps any unit that has been dropped for
+`max_drop_steps` consecutive steps, so no unit is dropped forever.
 
-    drop = select_priority(scores, drop_age, n_drop=4, max_drop_steps=50)
+    drop = select_priority(scores, drop_age, n_drop=4, max_drop_steps=50, temperature=1.0, seed=(1234, step))
     drop = select_random(num_units=64, n_drop=16, seed=(1234, step, 3))
 """
 

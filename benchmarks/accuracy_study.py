@@ -51,6 +51,7 @@ import dataclasses
 import json
 import math
 import re
+import statistics
 import sys
 import time
 from collections import Counter
@@ -325,8 +326,10 @@ def goals(rows: list[dict]) -> list[str]:
         lines.append(
             f"- priority >= random, {c['model']} TP={c['tp']} {c['profile']}: {c['metric']} "
             f"{c['priority']:.4g} vs {c['random']:.4g} (mean over seeds {c['seeds']}; per seed "
-            f"priority - random {c['differences']}) -> {'met' if ok else 'MISSED'}"
+            f"priority - random {c['differences']}, mean {c['difference']:+.3g}, standard error "
+            f"{c['se']:.2g}) -> {'met' if ok else 'MISSED'}"
         )
+    lines += pooled_selection_lines(selection_comparison(rows))
     for semi, static in pairs("semi", "static"):
         s, t = semi["time_to_target_s"], static["time_to_target_s"]
         ok = s is not None and (t is None or s < t)
@@ -351,6 +354,7 @@ def selection_comparison(rows: list[dict]) -> list[dict]:
         if not seeds:
             continue
         pri, rnd = ([cell[k][seed] for seed in seeds] for k in ("priority", "random"))
+        diffs = [p - q for p, q in zip(pri, rnd)]
         out.append(
             {
                 "model": model,
@@ -360,10 +364,33 @@ def selection_comparison(rows: list[dict]) -> list[dict]:
                 "seeds": ",".join(map(str, seeds)),
                 "random": sum(rnd) / len(seeds),
                 "priority": sum(pri) / len(seeds),
-                "differences": " ".join(f"{p - q:+.4g}" for p, q in zip(pri, rnd)),
+                "differences": " ".join(f"{d:+.4g}" for d in diffs),
+                "difference": statistics.fmean(diffs),
+                "se": _standard_error(diffs),
+                "pairs": diffs,
             }
         )
     return out
+
+
+def _standard_error(values: list[float]) -> float:
+    """Standard error of the mean (nan for fewer than two values)."""
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
+
+
+def pooled_selection_lines(comparison: list[dict]) -> list[str]:
+    """Priority - random over every paired seed of every cell, per metric: the noise the per-cell
+    verdicts sit in (informational; the goal is per cell)."""
+    lines = []
+    for metric in sorted({c["metric"] for c in comparison}):
+        diffs = [d for c in comparison if c["metric"] == metric for d in c["pairs"]]
+        cells = sum(c["metric"] == metric for c in comparison)
+        lines.append(
+            f"- priority - random, {metric}, pooled over {len(diffs)} paired runs in {cells} cells: "
+            f"{statistics.fmean(diffs):+.3g} (standard error {_standard_error(diffs):.2g}; per-run "
+            f"spread {statistics.stdev(diffs) if len(diffs) > 1 else math.nan:.2g})"
+        )
+    return lines
 
 
 def _seconds(value: float | None) -> str:
@@ -388,7 +415,18 @@ def write_results(rows: list[dict], out: Path, name: str, meta: dict) -> None:
             parts += [f"**{title}**", "", markdown_table(mine, [*COLUMNS, *metrics, *TIMES]), ""]
     comparison = selection_comparison(rows)
     if any("," in c["seeds"] for c in comparison):
-        columns = ["model", "tp", "profile", "metric", "seeds", "random", "priority", "differences"]
+        columns = [
+            "model",
+            "tp",
+            "profile",
+            "metric",
+            "seeds",
+            "random",
+            "priority",
+            "differences",
+            "difference",
+            "se",
+        ]
         parts += ["**Selection policies, mean over seeds**", "", markdown_table(comparison, columns), ""]
     parts += ["Goals (computed from the rows above):", "", *goals(rows), ""]
     text = "\n".join(parts)

@@ -64,10 +64,16 @@ def test_priority_is_judged_on_the_paired_mean_over_seeds(tmp_path):
     assert cell["seeds"] == "7,1234"
     assert cell["random"] == pytest.approx(0.63) and cell["priority"] == pytest.approx(0.645)
     assert cell["differences"] == "+0.05 -0.02"
+    assert cell["difference"] == pytest.approx(0.015) and cell["se"] == pytest.approx(
+        0.035
+    )  # sd 0.0495 / sqrt 2
     (line,) = [line for line in goals(rows) if "priority >= random" in line]
-    assert "mean over seeds 7,1234" in line and line.endswith("-> met")
+    assert "mean over seeds 7,1234" in line and "mean +0.015, standard error 0.035" in line
+    assert line.endswith("-> met")
+    (pooled,) = [line for line in goals(rows) if "pooled" in line]
+    assert "pooled over 2 paired runs in 1 cells: +0.015 (standard error 0.035" in pooled
     rows[3]["val_acc"] = 0.61
-    assert goals(rows)[-1].endswith("-> MISSED")
+    assert next(line for line in goals(rows) if "priority >= random" in line).endswith("-> MISSED")
 
     write_results(rows, tmp_path, "study", {})
     table = (tmp_path / "study.md").read_text()

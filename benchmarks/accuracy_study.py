@@ -199,20 +199,37 @@ def selection_repeats(runs: list[Run], seeds: list[int]) -> list[Run]:
     return [dataclasses.replace(r, seed=seed) for seed in seeds for r in compared]
 
 
-def launch(run: Run, folder: Path, resume: bool, seed: int) -> dict:
-    """Run one configuration (or reuse a finished one); returns its records and wall times."""
+def priority_overrides(settings: list[str]) -> list[str]:
+    """`--priority-set resize.priority_score=snr` values as megahet command-line overrides."""
+    out = []
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(
+                f"--priority-set {setting!r}: expected KEY=VALUE, e.g. resize.priority_score=snr"
+            )
+        out += [f"--{key.strip()}", value.strip()]
+    return out
+
+
+def launch(run: Run, folder: Path, resume: bool, seed: int, overrides: list[str] = ()) -> dict:
+    """Run one configuration (or reuse a finished one with the same seed and priority overrides);
+    returns its records and wall times."""
     metrics, meta_file = folder / f"{run.name}.jsonl", folder / f"{run.name}.json"
     meta = json.loads(meta_file.read_text()) if resume and meta_file.is_file() and metrics.is_file() else {}
-    reused = bool(meta) and meta.get("seed", SEED) == (seed if run.seed is None else run.seed)
+    overrides = list(overrides) if run.selection == "priority" else []
+    same_seed = meta.get("seed", SEED) == (seed if run.seed is None else run.seed)
+    reused = bool(meta) and same_seed and meta.get("overrides", []) == overrides
     if not reused:
         metrics.unlink(missing_ok=True)  # megahet appends to the metrics file
         script = "pretrain_vit.py" if run.arm.model == "vit" else "pretrain_gpt.py"
         log = folder / f"{run.name}.log"
         seed = seed if run.seed is None else run.seed
-        args = [*run.args(metrics, folder / "logdir"), "--train.seed", str(seed)]
+        args = [*run.args(metrics, folder / "logdir"), "--train.seed", str(seed), *overrides]
         wall = torchrun(script, run.arm.tp, args, log)
         loop = re.search(r"megahet \w+: \d+ steps in ([\d.]+) s", log.read_text())
         meta = {"total_wall_s": wall, "loop_s": float(loop.group(1)) if loop else math.nan, "seed": seed}
+        meta["overrides"] = overrides
         meta_file.write_text(json.dumps(meta))
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     return {**meta, "reused": reused, "records": records}
@@ -450,6 +467,14 @@ def main() -> None:
     )
     parser.add_argument("--only", default=None, help="regex: run only configurations whose name matches")
     parser.add_argument(
+        "--priority-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a megahet override for every priority-selection launch (repeatable), to compare priority "
+        "policies, e.g. resize.priority_score=snr or resize.priority_temperature=0; give it its own --out",
+    )
+    parser.add_argument(
         "--resume", action="store_true", help="reuse runs already finished in the runs folder"
     )
     args = parser.parse_args()
@@ -461,7 +486,7 @@ def main() -> None:
     folder.mkdir(parents=True, exist_ok=True)
     rows, reused, t0 = [], 0, time.perf_counter()
     for i, run in enumerate(runs):
-        result = launch(run, folder, args.resume, args.seed)
+        result = launch(run, folder, args.resume, args.seed, priority_overrides(args.priority_set))
         reused += result["reused"]
         rows.append(summarize(run, result))
         r = rows[-1]
@@ -478,6 +503,7 @@ def main() -> None:
         "grid": args.grid,
         "seed": args.seed,
         "selection_seeds": args.selection_seeds,
+        "priority_set": args.priority_set,
         "wall_s": time.perf_counter() - t0,
         "target": TARGET,
         "arms": {r.arm.name: dataclasses.asdict(r.arm) for r in runs},

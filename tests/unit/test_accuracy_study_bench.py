@@ -1,17 +1,24 @@
 """The accuracy study's pure parts (benchmarks/accuracy_study.py): the selection-comparison repeats
 (every random / priority resizing run again under extra seeds), their paired means, and the goal line
-and table that judge priority against random on those means.
+and table that judge priority against random on those means; `--priority-set` overrides reach only
+the priority launches and a resumed run is reused only under the same overrides.
 
     python -m pytest -q tests/unit/test_accuracy_study_bench.py
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
+import benchmarks.accuracy_study as study
 from benchmarks.accuracy_study import (
     default_grid,
     goals,
+    launch,
+    priority_overrides,
     selection_comparison,
     selection_repeats,
     write_results,
@@ -79,3 +86,31 @@ def test_priority_is_judged_on_the_paired_mean_over_seeds(tmp_path):
     table = (tmp_path / "study.md").read_text()
     assert "Selection policies, mean over seeds" in table
     assert sum(line.startswith("| 4 | 1x4x") for line in table.splitlines()) == 2  # repeats: only there
+
+
+def test_priority_set_reaches_only_priority_launches_and_guards_reuse(tmp_path, monkeypatch):
+    launched = []
+
+    def fake_torchrun(script, nproc, args, log):
+        launched.append(args)
+        metrics = Path(args[args.index("--logging.metrics_file") + 1])
+        metrics.write_text(json.dumps({"step": 60, "val_acc": 0.5}) + "\n")
+        log.write_text("megahet vit: 60 steps in 1.0 s\n")
+        return 2.0
+
+    monkeypatch.setattr(study, "torchrun", fake_torchrun)
+    overrides = priority_overrides(["resize.priority_score=snr", " resize.priority_temperature = 0 "])
+    assert overrides == ["--resize.priority_score", "snr", "--resize.priority_temperature", "0"]
+    cell = [r for r in default_grid() if r.profile == "1x4x" and r.arm.model == "vit"]
+    random_run, priority_run = (
+        next(r for r in cell if r.label == f"resize-{s}") for s in ("random", "priority")
+    )
+    for run in (random_run, priority_run):
+        launch(run, tmp_path, resume=True, seed=1234, overrides=overrides)
+    assert "--resize.priority_score" not in launched[0] and launched[1][-4:] == overrides
+    assert launch(priority_run, tmp_path, True, 1234, overrides)["reused"]  # same overrides: reused
+    assert not launch(priority_run, tmp_path, True, 1234, [])["reused"]  # the default policy: launched again
+    assert not launch(random_run, tmp_path, True, 99, overrides)["reused"]  # another seed
+    assert len(launched) == 4
+    with pytest.raises(SystemExit, match="expected KEY=VALUE"):
+        priority_overrides(["resize.priority_score"])

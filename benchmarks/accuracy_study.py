@@ -415,6 +415,7 @@ def _seconds(value: float | None) -> str:
 
 
 COLUMNS = ["tp", "profile", "stragglers", "slowdown", "method", "selection", "imputation"]
+SELECTION_COLUMNS = ["seeds", "random", "priority", "differences", "difference", "se"]
 TIMES = ["train_wall_s", "time_to_target_s", "total_wall_s", "dropped", "moved_mb"]
 
 
@@ -432,18 +433,7 @@ def write_results(rows: list[dict], out: Path, name: str, meta: dict) -> None:
             parts += [f"**{title}**", "", markdown_table(mine, [*COLUMNS, *metrics, *TIMES]), ""]
     comparison = selection_comparison(rows)
     if any("," in c["seeds"] for c in comparison):
-        columns = [
-            "model",
-            "tp",
-            "profile",
-            "metric",
-            "seeds",
-            "random",
-            "priority",
-            "differences",
-            "difference",
-            "se",
-        ]
+        columns = ["model", "tp", "profile", "metric", *SELECTION_COLUMNS]
         parts += ["**Selection policies, mean over seeds**", "", markdown_table(comparison, columns), ""]
     parts += ["Goals (computed from the rows above):", "", *goals(rows), ""]
     text = "\n".join(parts)

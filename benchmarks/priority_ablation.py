@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.accuracy_study import _standard_error, selection_comparison
+from benchmarks.accuracy_study import SELECTION_COLUMNS, _standard_error, selection_comparison
 from benchmarks.common import RESULTS, markdown_table
 
 VARIANTS: dict[str, list[str]] = {
@@ -92,17 +92,7 @@ def main() -> None:
         table, total = summarize(variant, run_variant(variant, args.out, args.study_runs))
         rows += table
         pooled.append(total)
-    columns = [
-        "variant",
-        "overrides",
-        "profile",
-        "seeds",
-        "random",
-        "priority",
-        "differences",
-        "difference",
-        "se",
-    ]
+    columns = ["variant", "overrides", "profile", *SELECTION_COLUMNS]
     text = "\n".join(
         [
             "**Priority variants against random selection, ViT TP=4, val_acc (priority - random per seed)**",

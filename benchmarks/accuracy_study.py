@@ -383,14 +383,14 @@ def selection_comparison(rows: list[dict]) -> list[dict]:
                 "priority": sum(pri) / len(seeds),
                 "differences": " ".join(f"{d:+.4g}" for d in diffs),
                 "difference": statistics.fmean(diffs),
-                "se": _standard_error(diffs),
+                "se": standard_error(diffs),
                 "pairs": diffs,
             }
         )
     return out
 
 
-def _standard_error(values: list[float]) -> float:
+def standard_error(values: list[float]) -> float:
     """Standard error of the mean (nan for fewer than two values)."""
     return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
 
@@ -404,7 +404,7 @@ def pooled_selection_lines(comparison: list[dict]) -> list[str]:
         cells = sum(c["metric"] == metric for c in comparison)
         lines.append(
             f"- priority - random, {metric}, pooled over {len(diffs)} paired runs in {cells} cells: "
-            f"{statistics.fmean(diffs):+.3g} (standard error {_standard_error(diffs):.2g}; per-run "
+            f"{statistics.fmean(diffs):+.3g} (standard error {standard_error(diffs):.2g}; per-run "
             f"spread {statistics.stdev(diffs) if len(diffs) > 1 else math.nan:.2g})"
         )
     return lines

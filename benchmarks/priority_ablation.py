@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.accuracy_study import SELECTION_COLUMNS, _standard_error, selection_comparison
+from benchmarks.accuracy_study import SELECTION_COLUMNS, selection_comparison, standard_error
 from benchmarks.common import RESULTS, markdown_table
 
 VARIANTS: dict[str, list[str]] = {
@@ -71,7 +71,7 @@ def summarize(variant: str, result: Path) -> tuple[list[dict], dict]:
     ]
     diffs = [d for c in cells for d in c["pairs"]]
     pooled = {"variant": variant, "pairs": len(diffs), "difference": statistics.fmean(diffs)}
-    pooled["se"] = _standard_error(diffs)
+    pooled["se"] = standard_error(diffs)
     return table, pooled
 
 

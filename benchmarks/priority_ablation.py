@@ -26,8 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.accuracy_study import SELECTION_COLUMNS, selection_comparison, standard_error
 from benchmarks.common import RESULTS, markdown_table
+from benchmarks.selection_stats import SELECTION_COLUMNS, selection_comparison, standard_error
 
 VARIANTS: dict[str, list[str]] = {
     "shipped": [],  # variance score, sampled at temperature 1

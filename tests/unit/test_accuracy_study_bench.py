@@ -19,10 +19,10 @@ from benchmarks.accuracy_study import (
     goals,
     launch,
     priority_overrides,
-    selection_comparison,
     selection_repeats,
     write_results,
 )
+from benchmarks.selection_stats import selection_comparison
 
 
 def test_repeats_are_the_zero_imputation_resizing_runs_under_each_seed():

@@ -239,7 +239,7 @@ def test_vit_trains_with_tp_rank0_resized_priority_selection(training: dict) -> 
     result = training["vit"]
     plans = _check_resized_run(result, "vit")
     selections = [set(plans[s]["blocks"]["mlp:1"]["0,0"]) for s in range(0, ITERS, RESELECT)]
-    assert selections[0] == set(range(32))  # nothing measured yet: ties break by unit index
+    assert len(selections[0]) == 32 and selections[0] != set(range(32))  # nothing measured: a uniform draw
     assert selections[1] != selections[0]
     # Fairness guard: max_drop_steps = 10 = two selections, so no unit is dropped three times in a row.
     for a, b, c in zip(selections, selections[1:], selections[2:]):

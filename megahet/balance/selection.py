@@ -148,8 +148,9 @@ def priority_scores(stats: GradientStats, score: PriorityScore = "variance") -> 
       A dropped unit is absent from the straggler's forward pass, so this ranks units by what their
       absence costs, where the others rank by what their frozen update costs.
 
-    +inf until a unit has two measurements (one sample has neither variance nor a mean), so
-    unmeasured units are never preferred for dropping.
+    +inf until a unit has two measurements (one sample has neither variance nor a mean): greedy
+    selection never prefers an unmeasured unit for dropping, sampling counts it as the highest
+    measured score (`select_priority`).
     """
     if score not in PRIORITY_SCORES:
         raise ValueError(f"priority score must be one of {', '.join(PRIORITY_SCORES)}, got {score!r}")

@@ -1,0 +1,151 @@
+"""Tests of megahet.config_checks.validate(): the data-parallel size it returns and the one-line
+ConfigErrors of inconsistent configurations (TP / PP / world size, batch sizes, ZeRO, resizing and
+selection settings).
+
+Run: ``python -m pytest tests/unit/test_config_checks.py -q`` (well under a second; no megatron import).
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_config import _one_line
+
+from megahet.config import ConfigError, MegahetConfig, apply_overrides, load_config
+from megahet.config_checks import validate
+
+# --- validate() ----------------------------------------------------------------------------------
+
+
+def _cfg(**overrides: object) -> MegahetConfig:
+    return apply_overrides(MegahetConfig(), dict(overrides))
+
+
+@pytest.mark.parametrize(
+    "overrides, world, dp",
+    [
+        ({}, 1, 1),
+        ({}, 4, 4),
+        ({"parallel.tp": 2}, 4, 2),
+        ({"parallel.tp": 2, "parallel.pp": 2}, 8, 2),
+        (
+            {"parallel.tp": 4, "parallel.pp": 2, "train.global_batch_size": 4, "train.micro_batch_size": 4},
+            8,
+            1,
+        ),
+        ({"parallel.pp": 4}, 4, 1),
+    ],
+)
+def test_validate_returns_dp_size(overrides: dict, world: int, dp: int) -> None:
+    assert validate(_cfg(**overrides), world) == dp
+
+
+def _invalid(cfg: MegahetConfig, world: int, *needles: str) -> str:
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world)
+    return _one_line(err, *needles)
+
+
+def test_tp_must_divide_heads() -> None:
+    _invalid(
+        _cfg(**{"parallel.tp": 3, "model.hidden_size": 96, "model.num_attention_heads": 4}),
+        3,
+        "parallel.tp 3",
+        "model.num_attention_heads 4",
+    )
+
+
+def test_heads_must_divide_hidden() -> None:
+    _invalid(
+        _cfg(**{"model.hidden_size": 100, "model.num_attention_heads": 8}),
+        1,
+        "model.hidden_size 100",
+        "model.num_attention_heads 8",
+    )
+
+
+def test_tp_must_divide_ffn_size() -> None:
+    # hidden % heads == 0 and heads % tp == 0 already imply hidden % tp == 0: only ffn can break it.
+    _invalid(_cfg(**{"parallel.tp": 4, "model.ffn_hidden_size": 130}), 4, "parallel.tp 4", "130")
+    assert validate(_cfg(**{"parallel.tp": 4, "model.ffn_hidden_size": 132}), 4) == 1
+
+
+def test_tp_ffn_message_names_the_ffn_key() -> None:
+    _invalid(_cfg(**{"parallel.tp": 4, "model.ffn_hidden_size": 130}), 4, "model.ffn_hidden_size")
+
+
+def test_world_size_divisible_by_tp_pp() -> None:
+    _invalid(_cfg(**{"parallel.tp": 2}), 3, "world size 3", "parallel.tp", "TP*PP")
+    _invalid(_cfg(**{"parallel.tp": 2, "parallel.pp": 2}), 6, "world size 6", "4")
+
+
+def test_zero2_with_pipeline_parallel() -> None:
+    _invalid(_cfg(**{"parallel.pp": 2, "parallel.zero_stage": 2}), 2, "pp=2", "parallel.zero_stage")
+    assert validate(_cfg(**{"parallel.pp": 2, "parallel.zero_stage": 1}), 2) == 1
+    assert validate(_cfg(**{"parallel.tp": 2, "parallel.zero_stage": 2}), 4) == 2
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_zero_stage_must_be_1_or_2(stage: int) -> None:
+    _invalid(_cfg(**{"parallel.zero_stage": stage}), 1, "parallel.zero_stage", str(stage))
+
+
+@pytest.mark.parametrize("key", ["train.micro_batch_size", "train.global_batch_size"])
+@pytest.mark.parametrize("value", [0, -4])
+def test_batch_sizes_must_be_positive(key: str, value: int) -> None:
+    _invalid(_cfg(**{key: value}), 1, key, "positive")
+
+
+def test_global_batch_multiple_of_micro_times_dp() -> None:
+    # 16 is a multiple of 4 * 2 but not of 4 * 8 (world 8, dp 8).
+    assert validate(_cfg(), 2) == 2
+    _invalid(_cfg(), 8, "train.global_batch_size 16", "micro_batch_size", "4 * 8")
+    _invalid(_cfg(**{"train.global_batch_size": 10}), 1, "train.global_batch_size 10")
+
+
+def test_pp_must_divide_layers() -> None:
+    _invalid(_cfg(**{"parallel.pp": 3, "model.num_layers": 4}), 3, "parallel.pp 3", "model.num_layers 4")
+
+
+@pytest.mark.parametrize("key", ["model.num_layers", "model.hidden_size", "model.num_attention_heads"])
+def test_model_sizes_must_be_positive(key: str) -> None:
+    _invalid(_cfg(**{key: 0}), 1, key)
+
+
+def test_tp_pp_must_be_at_least_one() -> None:
+    _invalid(_cfg(**{"parallel.tp": 0}), 1, "parallel.tp")
+
+
+@pytest.mark.parametrize(
+    "key", ["train.train_iters", "train.log_interval", "train.eval_interval", "train.eval_iters"]
+)
+def test_iteration_counts_must_be_positive(key: str) -> None:
+    _invalid(_cfg(**{key: 0}), 1, key)
+
+
+def test_lr_must_be_positive() -> None:
+    _invalid(_cfg(**{"train.lr": 0.0}), 1, "train.lr")
+    _invalid(_cfg(**{"train.min_lr": -1e-5}), 1, "train.min_lr")
+
+
+def test_min_lr_above_lr_is_rejected() -> None:
+    _invalid(_cfg(**{"train.lr": 1e-5}), 1, "train.min_lr")
+
+
+@pytest.mark.parametrize(
+    "key, value, needle",
+    [
+        ("resize.reselect_interval", 0, "must be positive"),
+        ("resize.max_drop_steps", -1, "must be positive"),
+        ("resize.score_decay", 1.0, "must be in [0, 1)"),
+        ("resize.score_samples", -5, "0 = every element"),
+        ("resize.priority_temperature", -0.5, "0 = lowest scores first"),
+    ],
+)
+def test_resize_selection_settings_are_checked(key: str, value: float, needle: str) -> None:
+    _invalid(_cfg(**{key: value}), 1, key, str(value), needle)
+
+
+def test_priority_score_must_be_a_known_score() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(["--resize.priority_score", "l1"])
+    _one_line(err, "resize.priority_score", "l1", "taylor")

@@ -55,6 +55,7 @@ class ResizeController:
             imputation=r.imputation,
             num_microbatches=num_microbatches,
             track_gradients=self.tracks_priority(cfg),
+            track_weights=r.priority_score == "taylor",
             score_samples=r.score_samples,
             tp_group=ps.get_tensor_model_parallel_group(),
         )

@@ -61,6 +61,7 @@ class ResizeExecutor:
         imputation: Imputation = "zero",
         num_microbatches: int = 1,
         track_gradients: bool = False,
+        track_weights: bool = False,
         score_samples: int = 0,
         tp_group=None,
     ):
@@ -79,8 +80,9 @@ class ResizeExecutor:
         """With track_gradients: each unit's local gradient of the last step at the sampled elements,
         (units, samples) (every element when score_samples is 0 or covers the unit)."""
         self.unit_weights: dict[BlockKey, torch.Tensor] = {}
-        """With track_gradients: each unit's weights at the same elements as they were in that step's
-        forward pass (taken before the optimizer step), (units, samples)."""
+        """With track_gradients and track_weights (only the taylor score needs them): each unit's weights
+        at the same elements as they were in that step's forward pass (taken before the optimizer
+        step), (units, samples)."""
         self._sample_index: dict[UnitParam, tuple | None] = {}
         self._sample_grad: dict[UnitParam, torch.Tensor] = {}
         for block in self.blocks.values():
@@ -95,6 +97,7 @@ class ResizeExecutor:
                     samples = _take(up.units(up.param.detach()), self._sample_index[up])
                     self._sample_grad[up] = torch.zeros_like(samples, dtype=torch.float32)
         self.track_gradients = track_gradients
+        self.track_weights = track_gradients and track_weights
 
     @property
     def block_units(self) -> dict[BlockKey, int]:
@@ -192,7 +195,7 @@ class ResizeExecutor:
         at (statistics); under the zero policy, remember every frozen unit."""
         if self.exchange.active:
             self.exchange.pull_grads()
-        if self.track_gradients:
+        if self.track_weights:
             for key, block in self.blocks.items():
                 self.unit_weights[key] = torch.cat(
                     [_take(up.units(up.param.detach()), self._sample_index[up]) for up in block.unit_params],

@@ -53,6 +53,7 @@ def test_controller_state_round_trip_resumes_the_same_plans(world1, score) -> No
     model = gpt()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ctrl = ResizeController(cfg, model, current_layout(), num_microbatches=2)
+    assert ctrl.executor.track_weights is (score == "taylor")  # weights sampled only where they are used
 
     def run(controller, first, last):
         return run_controller(controller, model, optimizer, range(first, last))

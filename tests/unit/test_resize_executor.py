@@ -174,16 +174,20 @@ def test_sampled_statistics_follow_the_same_elements_of_every_unit(world1) -> No
     from megahet.tensor_parallel.executor import _sample_elements
 
     model = gpt()
-    full = ResizeExecutor(model, dp_rank=0, tp_rank=0, dp_size=1, track_gradients=True)
-    sampled = ResizeExecutor(model, dp_rank=0, tp_rank=0, dp_size=1, track_gradients=True, score_samples=40)
+    full = ResizeExecutor(model, dp_rank=0, tp_rank=0, dp_size=1, track_gradients=True, track_weights=True)
+    sampled = ResizeExecutor(
+        model, dp_rank=0, tp_rank=0, dp_size=1, track_gradients=True, track_weights=True, score_samples=40
+    )
+    no_weights = ResizeExecutor(model, dp_rank=0, tp_rank=0, dp_size=1, track_gradients=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for executor in (full, sampled):
         executor.apply(_plan(DROPS))
     backward(model, batches(50))
     params = {n: p.detach().clone() for n, p in model.named_parameters()}  # the forward pass's weights
-    for executor in (full, sampled):
+    for executor in (full, sampled, no_weights):
         executor.before_step(optimizer)
         executor.after_step(optimizer)
+    assert no_weights.unit_weights == {}  # only the taylor score needs the weights: none sampled
     for key, block in full.blocks.items():
         for u in range(num_units(key)):  # the taylor term's weights: the unit's, as gradients are laid out
             weights = torch.cat([unit(params[n], dim, w, u).reshape(-1) for n, dim, w in unit_params(key)])

@@ -344,7 +344,7 @@ def goals(rows: list[dict]) -> list[str]:
             f"- priority >= random, {c['model']} TP={c['tp']} {c['profile']}: {c['metric']} "
             f"{c['priority']:.4g} vs {c['random']:.4g} (mean over seeds {c['seeds']}; per seed "
             f"priority - random {c['differences']}, mean {c['difference']:+.3g}, standard error "
-            f"{c['se']:.2g}) -> {'met' if ok else 'MISSED'}"
+            f"{c['se']:.2g}: {c['verdict']}{_needed(c)}) -> {'met' if ok else 'MISSED'}"
         )
     lines += pooled_selection_lines(selection_comparison(rows))
     for semi, static in pairs("semi", "static"):
@@ -355,6 +355,14 @@ def goals(rows: list[dict]) -> list[str]:
             f"{_seconds(s)} vs {_seconds(t)} -> {'met' if ok else 'MISSED'}"
         )
     return lines
+
+
+def _needed(cell: dict) -> str:
+    """How many paired seeds would resolve the selection goal's difference at this cell's spread."""
+    if cell["seeds_needed"] is None:
+        return ""
+    unit = "0.5 point" if cell["metric"] == "val_acc" else "0.5 % of perplexity"
+    return f"; resolving {unit} takes ~{cell['seeds_needed']} paired seeds"
 
 
 def _seconds(value: float | None) -> str:

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import RESULTS, markdown_table
-from benchmarks.selection_stats import SELECTION_COLUMNS, selection_comparison, standard_error
+from benchmarks.selection_stats import SELECTION_COLUMNS, selection_comparison, standard_error, verdict
 
 VARIANTS: dict[str, list[str]] = {
     "shipped": [],  # variance score, sampled at temperature 1
@@ -63,15 +63,13 @@ def summarize(variant: str, result: Path) -> tuple[list[dict], dict]:
         {
             "variant": variant,
             "overrides": " ".join(VARIANTS[variant]) or "(defaults)",
-            **{
-                k: c[k] for k in ("profile", "seeds", "random", "priority", "differences", "difference", "se")
-            },
+            **{k: c[k] for k in ("profile", *SELECTION_COLUMNS)},
         }
         for c in cells
     ]
     diffs = [d for c in cells for d in c["pairs"]]
     pooled = {"variant": variant, "pairs": len(diffs), "difference": statistics.fmean(diffs)}
-    pooled["se"] = standard_error(diffs)
+    pooled.update(se=standard_error(diffs), verdict=verdict("val_acc", diffs))
     return table, pooled
 
 
@@ -101,7 +99,7 @@ def main() -> None:
             "",
             "**Pooled over both cells**",
             "",
-            markdown_table(pooled, ["variant", "pairs", "difference", "se"]),
+            markdown_table(pooled, ["variant", "pairs", "difference", "se", "verdict"]),
             "",
         ]
     )

@@ -75,7 +75,8 @@ def test_priority_is_judged_on_the_paired_mean_over_seeds(tmp_path):
         0.035
     )  # sd 0.0495 / sqrt 2
     (line,) = [line for line in goals(rows) if "priority >= random" in line]
-    assert "mean over seeds 7,1234" in line and "mean +0.015, standard error 0.035" in line
+    assert "mean over seeds 7,1234" in line and "mean +0.015, standard error 0.035: within noise" in line
+    assert "resolving 0.5 point takes ~392 paired seeds" in line  # (2 * 0.0495 / 0.005)^2 = 392
     assert line.endswith("-> met")
     (pooled,) = [line for line in goals(rows) if "pooled" in line]
     assert "pooled over 2 paired runs in 1 cells: +0.015 (standard error 0.035" in pooled

@@ -56,3 +56,5 @@ def test_summary_pairs_priority_with_random_per_cell_and_pooled(tmp_path):
     assert table[0]["overrides"] == "resize.priority_temperature=1e6"
     assert pooled["pairs"] == 2 and pooled["difference"] == pytest.approx(0.0)
     assert pooled["se"] == pytest.approx(0.02)  # sd 0.0283 / sqrt 2
+    assert pooled["verdict"] == "within noise" and table[0]["verdict"] == "within noise"  # one pair per cell
+    assert table[0]["seeds_needed"] is None

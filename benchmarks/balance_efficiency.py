@@ -32,9 +32,7 @@ import argparse
 import dataclasses
 import itertools
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RESULTS, markdown_table, save_results
+from benchmarks.common import RESULTS, markdown_table, save_results, torchrun
 from megahet.balance.plot import plot_trace, read_trace
 from megahet.devices import parse_profile
 
@@ -102,19 +100,12 @@ def profiles(warmup: int, steps: int) -> list[Profile]:
     ]
 
 
-def launch(tp: int, args: list[str], port: int, log: Path) -> float:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(tp)]
-    cmd += ["--master_port", str(port), "pretrain_gpt.py", "--parallel.tp", str(tp), *MODEL, *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    t0 = time.perf_counter()
-    with log.open("w") as out:
-        done = subprocess.run(cmd, check=False, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    if done.returncode:
-        raise SystemExit(f"balance_efficiency: a run failed ({log}); last lines:\n" + log.read_text()[-3000:])
-    return time.perf_counter() - t0
+def launch(tp: int, args: list[str], log: Path) -> float:
+    """One pretrain_gpt.py launch of the benchmark's GPT at TP=`tp` (benchmarks.common.torchrun)."""
+    return torchrun("pretrain_gpt.py", tp, ["--parallel.tp", str(tp), *MODEL, *args], log)
 
 
-def run(profile: Profile, mode: str, spec: str, rate: float, port: int) -> list[dict]:
+def run(profile: Profile, mode: str, spec: str, rate: float) -> list[dict]:
     name = f"{profile.name}_{mode}"
     trace = RUNS / f"{name}.jsonl"
     args = f"--device.profile {spec} --device.rate_gflops {rate} --balance.mode {'static' if mode == 'twin' else mode}"
@@ -123,7 +114,7 @@ def run(profile: Profile, mode: str, spec: str, rate: float, port: int) -> list[
     )
     args += f" --train.eval_interval {10 * profile.steps} --train.eval_iters 1 --logging.wandb false"
     args += f" --logging.log_dir {RUNS / 'logs'}"
-    wall = launch(profile.tp, args.split(), port, RUNS / f"{name}.log")
+    wall = launch(profile.tp, args.split(), RUNS / f"{name}.log")
     print(f"  {name}: {wall:.0f} s", flush=True)
     return read_trace(trace)
 
@@ -140,9 +131,9 @@ def reaction(times: list[float], twin: list[float], changes: list[int], steps: i
     return worst
 
 
-def bench_profile(profile: Profile, warmup: int, rate: float, port: int) -> tuple[list[dict], dict]:
+def bench_profile(profile: Profile, warmup: int, rate: float) -> tuple[list[dict], dict]:
     traces = {
-        mode: run(profile, mode, profile.twin() if mode == "twin" else profile.spec, rate, port)
+        mode: run(profile, mode, profile.twin() if mode == "twin" else profile.spec, rate)
         for mode in ("twin", *MODES)
     }
     times = {mode: [r["step_s"] for r in rows] for mode, rows in traces.items()}
@@ -182,7 +173,7 @@ def bench_profile(profile: Profile, warmup: int, rate: float, port: int) -> tupl
     return rows, times
 
 
-def overhead(rate: float, steps: int, repeats: int, port: int) -> dict:
+def overhead(rate: float, steps: int, repeats: int) -> dict:
     """The balancer's cost on a homogeneous TP=4 group, two ways. A/B: median step time with no
     balancer at all vs semi (which measures, gathers, keeps priority statistics and plans every step
     but never moves anything), in `repeats` interleaved pairs of runs. In-run: the semi run's own time
@@ -202,7 +193,7 @@ def overhead(rate: float, steps: int, repeats: int, port: int) -> dict:
             )
             if mode == "semi":
                 args += " --balance.mode semi"
-            launch(4, args.split(), port, RUNS / f"overhead_{mode}_{i}.log")
+            launch(4, args.split(), RUNS / f"overhead_{mode}_{i}.log")
             rows = [json.loads(line) for line in metrics.read_text().splitlines()][2:]  # after warm-up
             times = [r["step_time_s"] for r in rows if "step_time_s" in r]
             samples[mode] += times
@@ -338,10 +329,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"balance_efficiency: no profile named {args.profiles}")
     rows, all_times = [], {}
     t0 = time.perf_counter()
-    for i, profile in enumerate(chosen):
+    for profile in chosen:
         print(f"{profile.name} (TP={profile.tp}, {profile.spec}, twin {profile.twin()})", flush=True)
         profile_rows, all_times[profile.name] = bench_profile(
-            profile, args.warmup, args.rate_tp4 * 4 / profile.tp, 29800 + i
+            profile, args.warmup, args.rate_tp4 * 4 / profile.tp
         )
         rows += profile_rows
         print(markdown_table(profile_rows, list(profile_rows[0])), flush=True)
@@ -352,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
         "profiles": {p.name: p.spec for p in chosen},
     }
     if args.overhead_repeats:
-        meta["balancer_overhead"] = overhead(args.rate_tp4, args.steps, args.overhead_repeats, 29890)
+        meta["balancer_overhead"] = overhead(args.rate_tp4, args.steps, args.overhead_repeats)
         print(f"balancer overhead on a homogeneous TP=4 group: {meta['balancer_overhead']}", flush=True)
     meta["wall_s"] = time.perf_counter() - t0
     if args.update:

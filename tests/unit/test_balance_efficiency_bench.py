@@ -97,3 +97,29 @@ def test_goal_lines_give_each_cells_distance_to_its_goal():
     assert "A/B +1.20 %" in cost and "per pair +2.0 +0.4 %" in cost and "hooks 0.60 %" in cost
     assert cost.endswith("A/B MISSED, hooks met")
     assert len(goals(rows, None)) == 2
+
+
+def test_a_run_launches_the_benchmark_gpt_through_the_shared_launcher(tmp_path, monkeypatch):
+    import json
+
+    import benchmarks.balance_efficiency as bench
+
+    monkeypatch.setattr(bench, "RUNS", tmp_path)
+    launched = []
+
+    def fake_torchrun(script, nproc, args, log):
+        launched.append((script, nproc, args, log))
+        trace = args[args.index("--balance.trace") + 1]
+        with open(trace, "w") as f:
+            f.write(json.dumps({"step": 1, "step_time_s": 0.5}) + "\n")
+        return 3.0
+
+    monkeypatch.setattr(bench, "torchrun", fake_torchrun)
+    profile = straggler("tp4_4x", 4, [1, 1, 1, 0.25], warmup=4, steps=12)
+    trace = bench.run(profile, "twin", profile.twin(), rate=10.0)
+    ((script, nproc, args, log),) = launched
+    assert (script, nproc, log) == ("pretrain_gpt.py", 4, tmp_path / "tp4_4x_twin.log")
+    assert args[:2] == ["--parallel.tp", "4"] and all(a in args for a in bench.MODEL)
+    assert args[args.index("--balance.mode") + 1] == "static"  # the twin runs unbalanced
+    assert args[args.index("--device.profile") + 1] == profile.twin()
+    assert trace == [{"step": 1, "step_time_s": 0.5}]

@@ -199,25 +199,26 @@ def selection_repeats(runs: list[Run], seeds: list[int]) -> list[Run]:
     return [dataclasses.replace(r, seed=seed) for seed in seeds for r in compared]
 
 
-def priority_overrides(settings: list[str]) -> list[str]:
-    """`--priority-set resize.priority_score=snr` values as megahet command-line overrides."""
+def setting_overrides(settings: list[str], flag: str = "--priority-set") -> list[str]:
+    """`--set` / `--priority-set` KEY=VALUE values (e.g. resize.priority_score=snr) as megahet
+    command-line overrides."""
     out = []
     for setting in settings:
         key, sep, value = setting.partition("=")
         if not sep or not key.strip():
-            raise SystemExit(
-                f"--priority-set {setting!r}: expected KEY=VALUE, e.g. resize.priority_score=snr"
-            )
+            raise SystemExit(f"{flag} {setting!r}: expected KEY=VALUE, e.g. resize.priority_score=snr")
         out += [f"--{key.strip()}", value.strip()]
     return out
 
 
-def launch(run: Run, folder: Path, resume: bool, seed: int, overrides: list[str] = ()) -> dict:
-    """Run one configuration (or reuse a finished one with the same seed and priority overrides);
-    returns its records and wall times."""
+def launch(
+    run: Run, folder: Path, resume: bool, seed: int, overrides: list[str] = (), priority: list[str] = ()
+) -> dict:
+    """Run one configuration (or reuse a finished one with the same seed and overrides); returns its
+    records and wall times. `overrides` reach every launch, `priority` only priority-selection ones."""
     metrics, meta_file = folder / f"{run.name}.jsonl", folder / f"{run.name}.json"
     meta = json.loads(meta_file.read_text()) if resume and meta_file.is_file() and metrics.is_file() else {}
-    overrides = list(overrides) if run.selection == "priority" else []
+    overrides = [*overrides, *(priority if run.selection == "priority" else [])]
     same_seed = meta.get("seed", SEED) == (seed if run.seed is None else run.seed)
     reused = bool(meta) and same_seed and meta.get("overrides", []) == overrides
     if not reused:
@@ -411,6 +412,14 @@ def main() -> None:
     )
     parser.add_argument("--only", default=None, help="regex: run only configurations whose name matches")
     parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a megahet override for every launch (repeatable), e.g. train.eval_iters=39 to evaluate on "
+        "9,984 validation images; give it its own --out",
+    )
+    parser.add_argument(
         "--priority-set",
         action="append",
         default=[],
@@ -426,11 +435,12 @@ def main() -> None:
     runs += selection_repeats(runs, [int(x) for x in args.selection_seeds.split(",") if x.strip()])
     if args.only:
         runs = [r for r in runs if re.search(args.only, r.name)]
+    overrides, priority = setting_overrides(args.set, "--set"), setting_overrides(args.priority_set)
     folder = args.out / f"{args.name}_runs"
     folder.mkdir(parents=True, exist_ok=True)
     rows, reused, t0 = [], 0, time.perf_counter()
     for i, run in enumerate(runs):
-        result = launch(run, folder, args.resume, args.seed, priority_overrides(args.priority_set))
+        result = launch(run, folder, args.resume, args.seed, overrides, priority)
         reused += result["reused"]
         rows.append(summarize(run, result))
         r = rows[-1]
@@ -447,6 +457,7 @@ def main() -> None:
         "grid": args.grid,
         "seed": args.seed,
         "selection_seeds": args.selection_seeds,
+        "set": args.set,
         "priority_set": args.priority_set,
         "wall_s": time.perf_counter() - t0,
         "target": TARGET,

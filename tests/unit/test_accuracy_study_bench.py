@@ -18,8 +18,8 @@ from benchmarks.accuracy_study import (
     default_grid,
     goals,
     launch,
-    priority_overrides,
     selection_repeats,
+    setting_overrides,
     write_results,
 )
 from benchmarks.selection_stats import selection_comparison
@@ -89,7 +89,7 @@ def test_priority_is_judged_on_the_paired_mean_over_seeds(tmp_path):
     assert sum(line.startswith("| 4 | 1x4x") for line in table.splitlines()) == 2  # repeats: only there
 
 
-def test_priority_set_reaches_only_priority_launches_and_guards_reuse(tmp_path, monkeypatch):
+def test_set_reaches_every_launch_priority_set_only_priority_ones_and_both_guard_reuse(tmp_path, monkeypatch):
     launched = []
 
     def fake_torchrun(script, nproc, args, log):
@@ -100,18 +100,26 @@ def test_priority_set_reaches_only_priority_launches_and_guards_reuse(tmp_path, 
         return 2.0
 
     monkeypatch.setattr(study, "torchrun", fake_torchrun)
-    overrides = priority_overrides(["resize.priority_score=snr", " resize.priority_temperature = 0 "])
-    assert overrides == ["--resize.priority_score", "snr", "--resize.priority_temperature", "0"]
+    policy = setting_overrides(["resize.priority_score=snr", " resize.priority_temperature = 0 "])
+    assert policy == ["--resize.priority_score", "snr", "--resize.priority_temperature", "0"]
+    every = setting_overrides(["train.eval_iters=39"], "--set")
     cell = [r for r in default_grid() if r.profile == "1x4x" and r.arm.model == "vit"]
     random_run, priority_run = (
         next(r for r in cell if r.label == f"resize-{s}") for s in ("random", "priority")
     )
     for run in (random_run, priority_run):
-        launch(run, tmp_path, resume=True, seed=1234, overrides=overrides)
-    assert "--resize.priority_score" not in launched[0] and launched[1][-4:] == overrides
-    assert launch(priority_run, tmp_path, True, 1234, overrides)["reused"]  # same overrides: reused
-    assert not launch(priority_run, tmp_path, True, 1234, [])["reused"]  # the default policy: launched again
-    assert not launch(random_run, tmp_path, True, 99, overrides)["reused"]  # another seed
+        launch(run, tmp_path, resume=True, seed=1234, priority=policy)
+    assert "--resize.priority_score" not in launched[0] and launched[1][-4:] == policy
+    assert launch(priority_run, tmp_path, True, 1234, priority=policy)["reused"]  # same overrides: reused
+    assert not launch(priority_run, tmp_path, True, 1234)["reused"]  # the default policy: launched again
+    assert not launch(random_run, tmp_path, True, 99, priority=policy)["reused"]  # another seed
     assert len(launched) == 4
-    with pytest.raises(SystemExit, match="expected KEY=VALUE"):
-        priority_overrides(["resize.priority_score"])
+    launch(random_run, tmp_path, True, 1234, overrides=every)  # --set: launched again, with it
+    assert launched[-1][-2:] == ["--train.eval_iters", "39"] and len(launched) == 5
+    assert launch(random_run, tmp_path, True, 1234, overrides=every)["reused"]
+    launch(priority_run, tmp_path, True, 1234, overrides=every, priority=policy)
+    assert launched[-1][-6:] == every + policy  # both, the study-wide ones first
+    with pytest.raises(SystemExit, match="--set 'eval_iters': expected KEY=VALUE"):
+        setting_overrides(["eval_iters"], "--set")
+    with pytest.raises(SystemExit, match="--priority-set 'resize.priority_score': expected KEY=VALUE"):
+        setting_overrides(["resize.priority_score"])

@@ -12,13 +12,13 @@ can SIGKILL the launch between two checkpoints. After each run every rank saves 
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from jobargs import parse_jobs
 from megatron.core import parallel_state as ps
 
 import pretrain_gpt
@@ -59,15 +59,11 @@ def run(name: str, argv: list[str], out: Path, slow: float) -> None:
 
 
 def main(argv: list[str]) -> None:
-    split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--job", action="append", required=True, help="NAME=extra overrides")
     parser.add_argument("--slow", type=float, default=0.0)
-    args = parser.parse_args(argv[:split])
-    for spec in args.job:
-        name, _, extra = spec.partition("=")
-        run(name, argv[split + 1 :] + shlex.split(extra), args.out, args.slow)
+    args, jobs = parse_jobs(argv, [], parser)
+    for name, _, overrides in jobs:
+        run(name, overrides, args.out, args.slow)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -20,14 +20,13 @@ Rank 0 saves DIR/<name>.pt = {(dp, tp): {
 
 from __future__ import annotations
 
-import argparse
-import shlex
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from jobargs import parse_jobs
 from megatron.core import parallel_state as ps
 
 import pretrain_gpt
@@ -132,17 +131,9 @@ def run(name: str, task: str, mode: str, argv: list[str], out: Path) -> None:
 
 
 def main(argv: list[str]) -> None:
-    split = argv.index("--") if "--" in argv else len(argv)
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--job", action="append", required=True, help='NAME=TASK:MODE:"extra overrides"')
-    args = parser.parse_args(argv[:split])
-    common = argv[split + 1 :]
-    for spec in args.job:
-        name, _, rest = spec.partition("=")
-        task, _, rest = rest.partition(":")
-        mode, _, extra = rest.partition(":")
-        run(name, task, mode, common + shlex.split(extra), args.out)
+    args, jobs = parse_jobs(argv, ["task", "mode"])
+    for name, (task, mode), overrides in jobs:
+        run(name, task, mode, overrides, args.out)
     dist.barrier()
     dist.destroy_process_group()
 

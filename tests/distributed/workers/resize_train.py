@@ -13,13 +13,12 @@ in force at every training step is recorded. Rank 0 saves DIR/<name>.pt = {
 
 from __future__ import annotations
 
-import argparse
-import shlex
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from jobargs import parse_jobs
 from megatron.core import parallel_state as ps
 
 import pretrain_gpt
@@ -64,16 +63,9 @@ def run(name: str, task: str, argv: list[str], out: Path) -> None:
 
 
 def main(argv: list[str]) -> None:
-    split = argv.index("--") if "--" in argv else len(argv)
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--job", action="append", required=True, help='NAME=TASK:"extra overrides"')
-    args = parser.parse_args(argv[:split])
-    common = argv[split + 1 :]
-    for spec in args.job:
-        name, _, rest = spec.partition("=")
-        task, _, extra = rest.partition(":")
-        run(name, task, common + shlex.split(extra), args.out)
+    args, jobs = parse_jobs(argv, ["task"])
+    for name, (task,), overrides in jobs:
+        run(name, task, overrides, args.out)
     dist.barrier()
     dist.destroy_process_group()
 

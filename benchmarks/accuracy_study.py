@@ -199,15 +199,27 @@ def selection_repeats(runs: list[Run], seeds: list[int]) -> list[Run]:
     return [dataclasses.replace(r, seed=seed) for seed in seeds for r in compared]
 
 
+STUDY_KEYS = (
+    *("train.seed", "train.train_iters", "parallel.tp", "balance.mode"),
+    *("resize.enabled", "resize.selection", "resize.imputation", "device.", "logging."),
+)
+"""Settings every run's identity or the study's bookkeeping rests on: not overridable (the seed is --seed)."""
+
+
 def setting_overrides(settings: list[str], flag: str = "--priority-set") -> list[str]:
     """`--set` / `--priority-set` KEY=VALUE values (e.g. resize.priority_score=snr) as megahet
     command-line overrides."""
     out = []
     for setting in settings:
-        key, sep, value = setting.partition("=")
-        if not sep or not key.strip():
+        key, sep, value = (part.strip() for part in setting.partition("="))
+        if not sep or not key:
             raise SystemExit(f"{flag} {setting!r}: expected KEY=VALUE, e.g. resize.priority_score=snr")
-        out += [f"--{key.strip()}", value.strip()]
+        if any(key == k or (k.endswith(".") and key.startswith(k)) for k in STUDY_KEYS):
+            raise SystemExit(
+                f"{flag} {key}: the study sets it per run (seed: --seed; grid: --grid, --only); "
+                "override another setting"
+            )
+        out += [f"--{key}", value]
     return out
 
 
@@ -340,12 +352,11 @@ def goals(rows: list[dict]) -> list[str]:
             f"-> {'met' if points <= 0.5 else 'MISSED'}"
         )
     for c in selection_comparison(rows):
-        ok = better(c["metric"], c["priority"], c["random"])
         lines.append(
             f"- priority >= random, {c['model']} TP={c['tp']} {c['profile']}: {c['metric']} "
             f"{c['priority']:.4g} vs {c['random']:.4g} (mean over seeds {c['seeds']}; per seed "
             f"priority - random {c['differences']}, mean {c['difference']:+.3g}, standard error "
-            f"{c['se']:.2g}: {c['verdict']}{_needed(c)}) -> {'met' if ok else 'MISSED'}"
+            f"{c['se']:.2g}: {c['verdict']}{_needed(c)}) -> {_selection_outcome(c)}"
         )
     lines += pooled_selection_lines(selection_comparison(rows))
     for semi, static in pairs("semi", "static"):
@@ -358,12 +369,20 @@ def goals(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _selection_outcome(cell: dict) -> str:
+    """The goal at one cell, judged by the paired t-test: met (priority resolved better), MISSED
+    (resolved worse), or undecided, with the side the mean falls on."""
+    resolved = {"priority better": "met", "priority worse": "MISSED"}
+    side = "ahead" if better(cell["metric"], cell["priority"], cell["random"]) else "behind"
+    return resolved.get(cell["verdict"], f"undecided (priority's mean {side}, within noise)")
+
+
 def _needed(cell: dict) -> str:
     """How many paired seeds would resolve the selection goal's difference at this cell's spread."""
     if cell["seeds_needed"] is None:
         return ""
     unit = "0.5 point" if cell["metric"] == "val_acc" else "0.5 % of perplexity"
-    return f"; resolving {unit} takes ~{cell['seeds_needed']} paired seeds"
+    return f"; resolving {unit} with 80 % power takes ~{cell['seeds_needed']} paired seeds"
 
 
 def _seconds(value: float | None) -> str:
@@ -436,6 +455,11 @@ def main() -> None:
     if args.only:
         runs = [r for r in runs if re.search(args.only, r.name)]
     overrides, priority = setting_overrides(args.set, "--set"), setting_overrides(args.priority_set)
+    if (overrides or priority) and args.out.resolve() == RESULTS.resolve():
+        raise SystemExit(
+            "--set / --priority-set change launches: give them their own --out, so that the study's runs "
+            f"in {RESULTS} are not replaced"
+        )
     folder = args.out / f"{args.name}_runs"
     folder.mkdir(parents=True, exist_ok=True)
     rows, reused, t0 = [], 0, time.perf_counter()

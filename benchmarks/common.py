@@ -59,24 +59,26 @@ def free_port() -> int:
 
 
 def torchrun(script: str, nproc: int, args: list[str], log: Path) -> float:
-    """Launch ROOT/script on `nproc` local ranks (gloo, OMP_NUM_THREADS=1, no W&B); write its output to
-    `log`; return the launch's wall time in seconds. A failed launch raises with the output's tail; a
-    port taken between probe and bind (other jobs on the machine) is retried."""
+    """Launch ROOT/script on `nproc` local ranks (gloo, OMP_NUM_THREADS=1, no W&B), its output streamed
+    into `log` (readable while it runs, kept if it is killed); return the launch's wall time in seconds.
+    A failed launch raises with the output's tail; a port taken between probe and bind (other jobs on
+    the machine) is retried."""
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WANDB_MODE="disabled")
     log.parent.mkdir(parents=True, exist_ok=True)
     for attempt in range(3):
         launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
         cmd = [*launcher, "--master_addr=127.0.0.1", f"--master_port={free_port()}", script, *args]
-        t0 = time.perf_counter()
-        proc = subprocess.run(
-            cmd, check=False, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        wall = time.perf_counter() - t0
-        log.write_text(" ".join(cmd) + "\n" + proc.stdout)
+        with log.open("w") as out:
+            out.write(" ".join(cmd) + "\n")
+            out.flush()
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+            wall = time.perf_counter() - t0
         if proc.returncode == 0:
             return wall
-        if "EADDRINUSE" not in proc.stdout or attempt == 2:
+        output = log.read_text()
+        if "EADDRINUSE" not in output or attempt == 2:
             break
     raise RuntimeError(
-        f"{script} with {nproc} ranks exited with {proc.returncode} (log {log}):\n{proc.stdout[-3000:]}"
+        f"{script} with {nproc} ranks exited with {proc.returncode} (log {log}):\n{output[-3000:]}"
     )

@@ -3,9 +3,10 @@ over the seeds that ran both, the per-seed differences, their mean and its stand
 differences pooled over every cell. Pure functions over the study's row dicts; used by
 benchmarks/accuracy_study.py and benchmarks/priority_ablation.py.
 
-Each cell also says whether its mean is resolved (more than two standard errors from zero) and how many
-seeds a verdict at the study's resolution would take at the measured spread: for a goal of the form
-"priority >= random", a mean inside the noise is not evidence either way.
+Each cell also says whether its mean is resolved (a two-sided paired t-test at 5 %: the mean more than
+t(0.975, pairs - 1) standard errors from zero) and how many seeds would resolve the study's resolution
+with 80 % power at the measured spread: for a goal of the form "priority >= random", a mean inside the
+noise is not evidence either way.
 """
 
 from __future__ import annotations
@@ -28,7 +29,18 @@ SELECTION_COLUMNS = [
 RESOLUTION = 0.005
 """The difference a verdict should resolve: half a point of accuracy (the SEMI goal's tolerance), or
 0.5 % of random's perplexity."""
-Z = 2.0  # standard errors that count as resolved (about 95 % two-sided)
+Z_POWER = 1.96 + 0.8416  # normal quantiles: 5 % two-sided test, 80 % power
+T_95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+        2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+        2.045, 2.042)  # fmt: skip
+"""Student's t, 97.5 % quantile, for 1..30 degrees of freedom (beyond: 2.042, slightly conservative)."""
+
+
+def t_critical(pairs: int) -> float:
+    """The paired t-test's two-sided 5 % threshold, in standard errors, for `pairs` differences."""
+    if pairs < 2:
+        raise ValueError(f"a t-test needs at least 2 pairs, got {pairs}")
+    return T_95[min(pairs - 1, len(T_95)) - 1]
 
 
 def selection_comparison(rows: list[dict]) -> list[dict]:
@@ -77,21 +89,22 @@ def resolution(metric: str, random_mean: float) -> float:
 
 
 def verdict(metric: str, diffs: list[float]) -> str:
-    """'priority better' / 'priority worse' when the mean difference is more than Z standard errors from
-    zero (perplexity: lower is better), else 'within noise' (also for a single pair)."""
+    """'priority better' / 'priority worse' when a paired t-test at 5 % (two-sided) rejects "no
+    difference" (perplexity: lower is better), else 'within noise' (also for a single pair)."""
     se = standard_error(diffs)
     gain = statistics.fmean(diffs) * (1 if metric == "val_acc" else -1)
-    if math.isnan(se) or abs(gain) <= Z * se:
+    if math.isnan(se) or abs(gain) <= t_critical(len(diffs)) * se:
         return "within noise"
     return "priority better" if gain > 0 else "priority worse"
 
 
 def seeds_needed(diffs: list[float], resolution: float) -> int | None:
-    """Paired seeds for a standard error of resolution / Z at the measured spread: (Z sd / resolution)^2,
-    rounded up (None for fewer than two pairs)."""
+    """Paired seeds that resolve a true difference of `resolution` with 80 % power (5 % two-sided) at the
+    measured spread: ((1.96 + 0.84) sd / resolution)^2, rounded up (normal approximation; None for fewer
+    than two pairs). It depends on the spread, not on the cell's mean."""
     if len(diffs) < 2:
         return None
-    return max(2, math.ceil((Z * statistics.stdev(diffs) / resolution) ** 2 - 1e-9))  # 32.000001 -> 32
+    return max(2, math.ceil((Z_POWER * statistics.stdev(diffs) / resolution) ** 2 - 1e-9))
 
 
 def pooled_selection_lines(comparison: list[dict]) -> list[str]:

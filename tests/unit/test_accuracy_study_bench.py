@@ -76,17 +76,35 @@ def test_priority_is_judged_on_the_paired_mean_over_seeds(tmp_path):
     )  # sd 0.0495 / sqrt 2
     (line,) = [line for line in goals(rows) if "priority >= random" in line]
     assert "mean over seeds 7,1234" in line and "mean +0.015, standard error 0.035: within noise" in line
-    assert "resolving 0.5 point takes ~392 paired seeds" in line  # (2 * 0.0495 / 0.005)^2 = 392
-    assert line.endswith("-> met")
+    assert "resolving 0.5 point with 80 % power takes ~770 paired seeds" in line  # (2.80 * 0.0495 / 0.005)^2
+    assert line.endswith("-> undecided (priority's mean ahead, within noise)")
     (pooled,) = [line for line in goals(rows) if "pooled" in line]
     assert "pooled over 2 paired runs in 1 cells: +0.015 (standard error 0.035" in pooled
     rows[3]["val_acc"] = 0.61
-    assert next(line for line in goals(rows) if "priority >= random" in line).endswith("-> MISSED")
+    assert next(line for line in goals(rows) if "priority >= random" in line).endswith(
+        "-> undecided (priority's mean behind, within noise)"
+    )
 
     write_results(rows, tmp_path, "study", {})
     table = (tmp_path / "study.md").read_text()
     assert "Selection policies, mean over seeds" in table
     assert sum(line.startswith("| 4 | 1x4x") for line in table.splitlines()) == 2  # repeats: only there
+
+
+def test_the_goal_is_met_or_missed_only_where_the_paired_t_test_resolves_it():
+    def cell(gains):  # priority - random per seed, random at 0.60
+        rows = []
+        for seed, gain in enumerate(gains):
+            rows += [_row("random", seed, 0.60, seed > 0), _row("priority", seed, 0.60 + gain, seed > 0)]
+        return next(line for line in goals(rows) if "priority >= random" in line)
+
+    assert cell([0.011, 0.010, 0.012]).endswith(
+        "priority better; resolving 0.5 point with 80 % power takes ~2 paired seeds) -> met"
+    )
+    assert cell([-0.011, -0.010, -0.012]).endswith("-> MISSED")
+    # over 7 pairs, beyond 2 standard errors but not beyond t(0.975, 6) = 2.447
+    gains = [0.019 + d for d in (-0.03, 0.03, -0.02, 0.02, 0.0, -0.01, 0.01)]  # mean 2.33 se
+    assert cell(gains).endswith("-> undecided (priority's mean ahead, within noise)")
 
 
 def test_set_reaches_every_launch_priority_set_only_priority_ones_and_both_guard_reuse(tmp_path, monkeypatch):
@@ -119,7 +137,22 @@ def test_set_reaches_every_launch_priority_set_only_priority_ones_and_both_guard
     assert launch(random_run, tmp_path, True, 1234, overrides=every)["reused"]
     launch(priority_run, tmp_path, True, 1234, overrides=every, priority=policy)
     assert launched[-1][-6:] == every + policy  # both, the study-wide ones first
+    for key in ("train.seed", "device.profile", "logging.metrics_file", "resize.selection"):
+        with pytest.raises(SystemExit, match=f"--set {key}: the study sets it per run"):
+            setting_overrides([f"{key}=1"], "--set")
+    assert setting_overrides(["resize.priority_score=snr"], "--set")  # a prefix of no study key
     with pytest.raises(SystemExit, match="--set 'eval_iters': expected KEY=VALUE"):
         setting_overrides(["eval_iters"], "--set")
     with pytest.raises(SystemExit, match="--priority-set 'resize.priority_score': expected KEY=VALUE"):
         setting_overrides(["resize.priority_score"])
+
+
+def test_overrides_need_their_own_out_folder(monkeypatch):
+    def no_launch(*args):
+        raise AssertionError("launched")
+
+    monkeypatch.setattr(study, "torchrun", no_launch)
+    for flag in ("--set", "--priority-set"):
+        monkeypatch.setattr("sys.argv", ["accuracy_study.py", flag, "train.lr=1e-3"])
+        with pytest.raises(SystemExit, match="give them their own --out"):
+            study.main()

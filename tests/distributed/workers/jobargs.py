@@ -28,10 +28,13 @@ def parse_jobs(
     args = parser.parse_args(argv[:split])
     common, jobs = argv[split + 1 :], []
     for spec in args.job:
-        name, _, rest = spec.partition("=")
+        name, sep, rest = spec.partition("=")
         values = []
         for _ in fields:
-            value, _, rest = rest.partition(":")
+            value, colon, rest = rest.partition(":")
             values.append(value)
+            sep = sep and colon
+        if not (sep and name):
+            parser.error(f"--job {spec!r}: expected NAME={shape}")
         jobs.append((name, tuple(values), common + shlex.split(rest)))
     return args, jobs

@@ -351,14 +351,15 @@ def goals(rows: list[dict]) -> list[str]:
             f"{100 * base['val_acc']:.2f} ({points:+.2f} points below) "
             f"-> {'met' if points <= 0.5 else 'MISSED'}"
         )
-    for c in selection_comparison(rows):
+    comparison = selection_comparison(rows)
+    for c in comparison:
         lines.append(
             f"- priority >= random, {c['model']} TP={c['tp']} {c['profile']}: {c['metric']} "
             f"{c['priority']:.4g} vs {c['random']:.4g} (mean over seeds {c['seeds']}; per seed "
             f"priority - random {c['differences']}, mean {c['difference']:+.3g}, standard error "
             f"{c['se']:.2g}: {c['verdict']}{_needed(c)}) -> {_selection_outcome(c)}"
         )
-    lines += pooled_selection_lines(selection_comparison(rows))
+    lines += pooled_selection_lines(comparison)
     for semi, static in pairs("semi", "static"):
         s, t = semi["time_to_target_s"], static["time_to_target_s"]
         ok = s is not None and (t is None or s < t)

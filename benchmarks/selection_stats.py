@@ -58,20 +58,21 @@ def selection_comparison(rows: list[dict]) -> list[dict]:
             continue
         pri, rnd = ([cell[k][seed] for seed in seeds] for k in ("priority", "random"))
         diffs = [p - q for p, q in zip(pri, rnd)]
+        metric, random_mean = METRIC[model], sum(rnd) / len(seeds)
         out.append(
             {
                 "model": model,
                 "tp": tp,
                 "profile": profile,
-                "metric": METRIC[model],
+                "metric": metric,
                 "seeds": ",".join(map(str, seeds)),
-                "random": sum(rnd) / len(seeds),
+                "random": random_mean,
                 "priority": sum(pri) / len(seeds),
                 "differences": " ".join(f"{d:+.4g}" for d in diffs),
                 "difference": statistics.fmean(diffs),
                 "se": standard_error(diffs),
-                "verdict": verdict(METRIC[model], diffs),
-                "seeds_needed": seeds_needed(diffs, resolution(METRIC[model], sum(rnd) / len(seeds))),
+                "verdict": verdict(metric, diffs),
+                "seeds_needed": seeds_needed(diffs, resolution(metric, random_mean)),
                 "pairs": diffs,
             }
         )

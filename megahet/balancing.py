@@ -1,9 +1,12 @@
 """The balancer in the training loop: measure -> estimate speeds -> plan -> apply, between steps.
 
 After every step each rank contributes two numbers — the work its resizable blocks executed (forward
-+ backward FLOPs) and its compute time (the virtual device's charged busy time, else the measured
-forward/backward compute) — gathered over its pipeline stage's TP x DP ranks by an asynchronous
-all-gather that completes while the step finishes. At the start of the next step every rank feeds the
++ backward FLOPs) and its own compute time in its transformer layers (their forward and backward
+minus the time it was blocked in collectives, megahet/timing.py: a fast rank's waits for its slow
+peers are not its compute; the embedding, output layer and loss, which no plan moves, are left out
+so that a rank doing fewer units does not look slower per unit) — gathered over its pipeline stage's TP x DP ranks by an asynchronous all-gather that
+completes while the step finishes. A virtual device is measured the same way: it only slows its rank
+down, and the balancer never reads its profile or charge. At the start of the next step every rank feeds the
 same `SpeedEstimator`s (one per DP replica's TP group) with them and, every `balance.interval` steps,
 runs the same pure planner (`megahet.balance.planner.balance`: static, resize, migrate or semi, with
 hysteresis and a return to the even split when the group is healthy), so the resulting plan is
@@ -24,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -52,21 +56,24 @@ def trace_path(path: str, pp_rank: int, pp_size: int) -> Path:
 
 class BalanceController:
     def __init__(
-        self, cfg: MegahetConfig, layout: ParallelLayout, resize, timers, device=None, step_start=None
+        self,
+        cfg: MegahetConfig,
+        layout: ParallelLayout,
+        resize,
+        compute_s: Callable[[], float],
+        step_start: Callable[[], float] = time.perf_counter,
     ):
-        self.cfg, self.layout, self.resize, self.timers, self.device = (
-            cfg.balance,
-            layout,
-            resize,
-            timers,
-            device,
-        )
-        self.step_start = step_start or time.perf_counter
+        self.cfg, self.layout, self.resize = cfg.balance, layout, resize
+        self.compute_s = compute_s
+        """This rank's own compute inside its transformer layers in the step just done (the Trainer's
+        measurement: layer time minus the time blocked in collectives, megahet/timing.py). The only
+        time the balancer reads."""
+        self.step_start = step_start
         """When the current step began (the Trainer's clock), so plan changes and transfers count."""
         self.estimators = [SpeedEstimator(layout.tp_size, cfg.balance.window) for _ in range(layout.dp_size)]
         self.targets = [WorkTarget() for _ in range(layout.dp_size)]
         self.changes = 0
-        self._flops0 = self._compute0 = 0.0
+        self._flops0 = 0.0
         self._efficiency: list[float] = []
         self._trace = None
         self._pending = None
@@ -88,7 +95,6 @@ class BalanceController:
             self._plan()
         self.step = step
         self._flops0 = self.resize.executor.executed_flops()
-        self._compute0 = self.timers.compute_s
 
     def before_step(self, engine) -> None:
         pass
@@ -105,8 +111,7 @@ class BalanceController:
 
     def _measure(self) -> tuple[float, float]:
         work = 3.0 * (self.resize.executor.executed_flops() - self._flops0)  # forward + 2x backward
-        busy = self.device.busy_s if self.device is not None else self.timers.compute_s - self._compute0
-        return work, busy
+        return work, self.compute_s()
 
     def _collect(self) -> None:
         """Wait for the pending gather; feed the estimators, the efficiency and the trace with it."""

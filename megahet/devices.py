@@ -1,12 +1,15 @@
-"""Virtual heterogeneous devices: per-rank speed profiles, and a deterministic charge per compute region.
+"""Virtual heterogeneous devices: per-rank speed profiles; a device only slows its rank down.
 
-Real mixed clusters are not available here, so each rank runs on a *virtual device* whose speed
-s(t) comes from a profile. Every transformer layer's forward and backward is a compute region: it is
-charged the work it actually executed (the FLOPs of the units it computed, migrated-in units
-included, from the resizable layers' counters; backward = 2 x forward) divided by `rate x s(t)`, and
-the device sleeps for the part of that charge the real compute did not use. Resizing and migration
-change the charge because they change the work. The balancer never reads the profile: it sees the
-per-step busy time a device reports, as it would see measured kernel time on real hardware.
+Real mixed clusters are not available here, so each rank can run on a *virtual device* whose speed
+s(t) comes from a profile. The work the rank actually executes (the FLOPs of the units it computed,
+migrated-in units included, from the resizable layers' counters; backward = 2 x forward) is charged
+`work / (rate x s(t))`, and just before every collective of a compute region (megahet/timing.py) the
+device sleeps the part of the charge since the previous collective that its real compute did not use.
+So the delay sits inside the rank's compute, before the collective that ends the block, and its TP
+peers wait in that collective exactly as they do behind a really slow GPU. Resizing and migration
+change the delay because they change the work. Nothing reads the profile or the charge to balance:
+the balancer measures every rank's own compute (megahet/timing.py), so emulated and real slowness go
+through one measurement path.
 
 Profiles (`--device.profile`, inline or a YAML/JSON file with the same fields), per TP rank:
 
@@ -15,25 +18,25 @@ Profiles (`--device.profile`, inline or a YAML/JSON file with the same fields), 
     rotating:4,20                   a 4x straggler that moves to the next TP rank every 20 steps
     contention:4,20,7               every 20 steps each rank is 4x slow with probability 1/2 (seed 7)
 
-    device = VirtualDevice(parse_profile("static:1,0.25"), tp_rank=1, rate_gflops=20)
-    handles = attach_virtual_device(model, device)     # hooks on every TransformerLayer
+    device = VirtualDevice(parse_profile("static:1,0.25"), tp_rank=1, tp_size=2, rate_gflops=20)
+    attach_virtual_device(model, device, CommClock.install())   # pays before each collective
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 import yaml
-from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megahet.platform import synchronize
+from megahet.platform import cuda_available, synchronize
 from megahet.tensor_parallel.blocks import find_blocks
+from megahet.timing import CommClock
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +117,8 @@ def parse_profile(spec: str) -> SpeedProfile:
 
 
 class VirtualDevice:
-    """Charges compute regions work / (rate x speed) and sleeps what real compute did not use."""
+    """Slows this rank down to `speed x rate`: before every collective of a compute region it sleeps
+    what the work done since the last collective owes beyond the compute it really took."""
 
     def __init__(self, profile: SpeedProfile, tp_rank: int, tp_size: int, rate_gflops: float):
         if rate_gflops <= 0:
@@ -123,75 +127,62 @@ class VirtualDevice:
         self.profile, self.tp_rank, self.tp_size = profile, tp_rank, tp_size
         self.rate = rate_gflops * 1e9
         self.step = 0
-        self.busy_s = 0.0  # charged compute time of the current step (what a detector measures)
+        self.charge_s = 0.0  # emulated compute of the current step: work / (rate x speed)
         self.overrun_s = 0.0  # real compute beyond the charge this step: > 0 means rate is too high
+        self.work: Callable[[], int] = lambda: 0
+        """FLOPs executed so far (forward + backward), cumulative."""
+        self.clock: CommClock | None = None
+        self._last = (0.0, 0, 0.0)  # (perf_counter, work, clock.blocked_host_s) at the last payment
 
     def set_step(self, step: int) -> None:
-        self.step, self.busy_s, self.overrun_s = step, 0.0, 0.0
+        self.step, self.charge_s, self.overrun_s = step, 0.0, 0.0
 
     @property
     def speed(self) -> float:
         return self.profile.speed(self.tp_rank, self.step, self.tp_size)
 
     def charge(self, flops: int, real_s: float) -> float:
-        """Account one region; sleep the rest of its charge; return the seconds slept."""
+        """Account `flops` that really took `real_s`; sleep the rest of their charge; return it."""
         charge = flops / (self.rate * self.speed)
-        self.busy_s += charge
+        self.charge_s += charge
         rest = charge - real_s
         if rest > 0:
             time.sleep(rest)
-        else:
+        elif flops:
             self.overrun_s -= rest
         return max(rest, 0.0)
 
+    def pay(self) -> None:
+        """Before a collective (or the end of a compute region): charge the work since the last payment
+        against this rank's own compute since then (waits in collectives excluded)."""
+        synchronize()  # on a GPU, the kernels must have run for the host clock to see them
+        t_last, work_last, blocked_last = self._last
+        clock, work = self.clock, self.work()
+        real = time.perf_counter() - max(t_last, clock.region_host_start)
+        real -= clock.blocked_host_s - blocked_last
+        self.charge(work - work_last, max(real, 0.0))
+        self._last = (time.perf_counter(), work, clock.blocked_host_s)
 
-def attach_virtual_device(model: torch.nn.Module, device: VirtualDevice) -> list:
-    """Hook every TransformerLayer of `model` (its resizable blocks count the work) into `device`."""
-    blocks = find_blocks(model)
+
+def attach_virtual_device(model: torch.nn.Module, device: VirtualDevice, clock: CommClock) -> None:
+    """Make `device` slow this rank's compute regions down by the work its resizable blocks execute."""
+    blocks = list(find_blocks(model).values())
     if not blocks:
         raise ValueError(
             "virtual devices need the resizable layers (they count executed FLOPs): enable resize"
         )
-    handles = []
-    for layer in (m for m in model.modules() if isinstance(m, TransformerLayer)):
-        mine = [b for key, b in blocks.items() if key[1] == layer.layer_number]
-        pending: collections.deque[int] = collections.deque()  # forward FLOPs awaiting their backward
-        state = {}
-
-        def flops(mine=mine) -> int:
-            return sum(b.executed_flops for b in mine)
-
-        def forward_pre(module, args, state=state, flops=flops):
-            synchronize()  # on a GPU, time the region's kernels, not their launch
-            state["t0"], state["f0"] = time.perf_counter(), flops()
-
-        def forward_post(module, args, output, state=state, flops=flops, pending=pending):
-            work = flops() - state["f0"]
-            if torch.is_grad_enabled():
-                pending.append(work)
-            synchronize()
-            device.charge(work, time.perf_counter() - state["t0"])
-
-        def backward_pre(module, grad_output, state=state):
-            synchronize()
-            state["b0"] = time.perf_counter()
-
-        def backward_post(module, grad_input, grad_output, state=state, pending=pending):
-            work = 2 * pending.popleft() if pending else 0  # input and weight gradients
-            synchronize()
-            device.charge(work, time.perf_counter() - state["b0"])
-
-        handles += [
-            layer.register_forward_pre_hook(forward_pre),
-            layer.register_forward_hook(forward_post),
-            layer.register_full_backward_pre_hook(backward_pre),
-            layer.register_full_backward_hook(backward_post),
-        ]
-    return handles
+    for block in blocks:
+        block.count_backward()
+    device.work = lambda: sum(b.executed_flops + b.backward_flops for b in blocks)
+    device.clock = clock
+    device._last = (0.0, device.work(), clock.blocked_host_s)
+    clock.before_collective.append(device.pay)
+    clock.sync_host = cuda_available()
 
 
 class DeviceStepHook:
-    """Trainer step hook: advances the virtual device's clock; reports its speed and busy time."""
+    """Trainer step hook: advances the virtual device's step; reports its speed and charge (never read by
+    the balancer)."""
 
     def __init__(self, device: VirtualDevice):
         self.device = device
@@ -207,4 +198,4 @@ class DeviceStepHook:
 
     def metrics(self) -> dict[str, float]:
         d = self.device
-        return {"device_speed": d.speed, "busy_s": d.busy_s, "device_overrun_s": d.overrun_s}
+        return {"device_speed": d.speed, "device_charge_s": d.charge_s, "device_overrun_s": d.overrun_s}

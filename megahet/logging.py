@@ -28,6 +28,8 @@ _CONSOLE_FORMAT = {
     "step_time_s": "step {:.3f} s",
     "compute_min_s": "compute min {:.3f} s",
     "compute_max_s": "max {:.3f} s",
+    "wait_min_s": "wait min {:.3f} s",
+    "wait_max_s": "max {:.3f} s",
     "balance_eff": "E {:.3f}",
 }
 _PER_TP_RANK = re.compile(r"^(.+)_tp(\d+)$")

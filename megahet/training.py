@@ -29,8 +29,9 @@ from megahet.config import ConfigError, HelpRequested, MegahetConfig, config_hel
 from megahet.config_checks import validate
 from megahet.engine import build_engine, fold_deepspeed_json
 from megahet.logging import TrainingLogger
-from megahet.parallel import ParallelLayout, initialize_parallel
-from megahet.platform import cuda_available, synchronize
+from megahet.parallel import ParallelLayout, destroy_parallel, initialize_parallel
+from megahet.platform import cuda_available
+from megahet.timing import CommClock, ComputeTimers, StepTimes, time_layers
 
 ForwardStep = Callable[[Iterator[dict], torch.nn.Module], tuple[torch.Tensor, Callable]]
 
@@ -64,40 +65,6 @@ class TaskSpec:
     """Checks that need no process group (paths, data sizes); raise one-line errors."""
     prepare: Callable[[MegahetConfig], None] = lambda cfg: None
     """Run once on global rank 0 before the others build (e.g. tokenizer and data preparation)."""
-
-
-COMPUTE_REGIONS = ("forward-compute", "backward-compute")
-
-
-class ComputeTimers:
-    """megatron-core's `config.timers` interface, keeping the forward and backward compute seconds.
-
-    The schedule times 'forward-compute' and 'backward-compute' around the model's own work;
-    pipeline send/receive waits fall outside them. On a GPU both ends synchronize, so the time is
-    the kernels' and not just their launch.
-    """
-
-    class _Timer:
-        def __init__(self, owner: ComputeTimers, name: str):
-            self.owner, self.name, self.t0 = owner, name, None
-
-        def start(self, barrier: bool = False) -> None:
-            if self.name in COMPUTE_REGIONS:
-                synchronize()
-            self.t0 = time.perf_counter()
-
-        def stop(self) -> None:
-            if self.t0 is not None and self.name in COMPUTE_REGIONS:
-                synchronize()
-                self.owner.compute_s += time.perf_counter() - self.t0
-            self.t0 = None
-
-    def __init__(self):
-        self.compute_s = 0.0
-        self._timers: dict[str, ComputeTimers._Timer] = {}
-
-    def __call__(self, name: str, log_level: int = 0) -> _Timer:
-        return self._timers.setdefault(name, ComputeTimers._Timer(self, name))
 
 
 class ScheduledEngine:
@@ -143,7 +110,11 @@ class Trainer:
         """Objects with before_forward_backward(step), before_step(engine), after_step(engine)."""
         t = cfg.train
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * layout.dp_size)
-        self.timers = ComputeTimers()
+        self.clock = CommClock.install()
+        self.timers = ComputeTimers(self.clock)
+        self.times = StepTimes(0.0, 0.0, 0.0)
+        """The last step's own compute, collective waits and own compute inside the transformer layers
+        (megahet/timing.py)."""
         model_config = task.model.config
         model_config.timers = self.timers
         model_config.finalize_model_grads_func = lambda *args, **kwargs: finalize_grads(task.model)
@@ -179,10 +150,11 @@ class Trainer:
         return self._run_schedule(self.task.train_data, self.num_microbatches, forward_only=False)
 
     def train_step(self) -> dict[str, float]:
-        """One optimizer step; returns {loss, lr, grad_norm, step_time_s, compute_s, hooks_s} (loss on
-        the last stage)."""
+        """One optimizer step; returns {loss, lr, grad_norm, step_time_s, compute_s, wait_s, hooks_s}
+        (loss on the last stage)."""
         t0 = self.step_t0 = time.perf_counter()
-        compute0, self.hooks_s = self.timers.compute_s, 0.0
+        self.hooks_s = 0.0
+        self.clock.read()  # drop what evaluation measured
         outputs = self.forward_backward()
         t1 = time.perf_counter()
         for hook in self.step_hooks:
@@ -190,6 +162,7 @@ class Trainer:
         t2 = time.perf_counter()
         self.engine.step()
         t3 = time.perf_counter()
+        self.times = self.clock.read()  # on a GPU: CUDA events, read once per step
         for hook in self.step_hooks:
             hook.after_step(self.engine)
         self.hooks_s += t2 - t1 + time.perf_counter() - t3
@@ -201,7 +174,8 @@ class Trainer:
             "lr": self.engine.get_lr()[0],
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "step_time_s": time.perf_counter() - t0,
-            "compute_s": self.timers.compute_s - compute0,
+            "compute_s": self.times.compute_s,
+            "wait_s": self.times.wait_s,
             "hooks_s": self.hooks_s,
         }
 
@@ -250,9 +224,6 @@ class Trainer:
         self.logger.print(f"megahet: saved checkpoint {path} (step {self.iteration}) in {seconds:.2f} s")
 
     def _interval_metrics(self, window: list[dict[str, float]]) -> dict[str, float]:
-        compute = torch.tensor([sum(r["compute_s"] for r in window) / len(window)] * 2)
-        compute[0] = -compute[0]  # one MAX all-reduce gives both min and max over all ranks
-        dist.all_reduce(compute, op=dist.ReduceOp.MAX)
         step_time = sum(r["step_time_s"] for r in window) / len(window)
         samples_per_s = self.cfg.train.global_batch_size / step_time
         last = window[-1]
@@ -261,33 +232,29 @@ class Trainer:
             metrics["tokens_per_s"] = samples_per_s * self.task.tokens_per_sample
         else:
             metrics["samples_per_s"] = samples_per_s
-        metrics.update(
-            grad_norm=last["grad_norm"],
-            step_time_s=step_time,
-            compute_min_s=-float(compute[0]),
-            compute_max_s=float(compute[1]),
-        )
+        mine = {key: sum(r[f"{key}_s"] for r in window) / len(window) for key in ("compute", "wait")}
+        hooks = {
+            k: v for hook in self.step_hooks if hasattr(hook, "metrics") for k, v in hook.metrics().items()
+        }
+        spread = min_max_over_ranks({**mine, **hooks})  # one all-reduce for all of them
+        metrics.update(grad_norm=last["grad_norm"], step_time_s=step_time)
+        for key in mine:
+            metrics[f"{key}_min_s"], metrics[f"{key}_max_s"] = spread[key]
         if self.step_hooks:  # the balancer's and resizer's own cost, this rank
             metrics["hooks_s"] = sum(r["hooks_s"] for r in window) / len(window)
-        metrics.update(self._hook_metrics())
+        for key in hooks:
+            metrics[f"{key}_min"], metrics[f"{key}_max"] = spread[key]
         for hook in self.step_hooks:
             if hasattr(hook, "report"):  # this rank's view, e.g. its TP group's plan, not reduced
                 metrics.update(hook.report())
         return metrics
 
-    def _hook_metrics(self) -> dict[str, float]:
-        """Each step hook's per-rank metrics as <name>_min / <name>_max over all ranks."""
-        values = {
-            k: v for hook in self.step_hooks if hasattr(hook, "metrics") for k, v in hook.metrics().items()
-        }
-        if not values:
-            return {}
-        both = torch.tensor([x for v in values.values() for x in (-v, v)], dtype=torch.float64)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)
-        out = {}
-        for i, key in enumerate(values):
-            out[f"{key}_min"], out[f"{key}_max"] = -float(both[2 * i]), float(both[2 * i + 1])
-        return out
+
+def min_max_over_ranks(values: dict[str, float]) -> dict[str, tuple[float, float]]:
+    """(min, max) over all ranks of each of this rank's values, by one MAX all-reduce of (-v, v)."""
+    both = torch.tensor([x for v in values.values() for x in (-v, v)], dtype=torch.float64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return {key: (-float(both[2 * i]), float(both[2 * i + 1])) for i, key in enumerate(values)}
 
 
 def _mean_over_dp(values: list[torch.Tensor]) -> float:
@@ -331,18 +298,18 @@ def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
 
         profile = parse_profile(cfg.device.profile)
         device = VirtualDevice(profile, layout.tp_rank, layout.tp_size, cfg.device.rate_gflops)
-        attach_virtual_device(task.model, device)
+        attach_virtual_device(task.model, device, CommClock.install())
         hooks.append(DeviceStepHook(device))
     trainer = Trainer(cfg, task, engine, layout, logger, hooks)
     if cfg.balance.active:
         from megahet.balancing import BalanceController
 
-        device_hook = next((h for h in hooks if hasattr(h, "device")), None)
-        device = device_hook.device if device_hook is not None else None
         # First: it plans at the start of a step, before the ResizeController executes the plan.
-        trainer.step_hooks.insert(
-            0, BalanceController(cfg, layout, hooks[0], trainer.timers, device, lambda: trainer.step_t0)
+        time_layers(task.model, trainer.clock)
+        balancer = BalanceController(
+            cfg, layout, hooks[0], lambda: trainer.times.layers_s, lambda: trainer.step_t0
         )
+        trainer.step_hooks.insert(0, balancer)
     if resume is not None:
         seconds = checkpoint.load(trainer, resume)
         logger.print(f"megahet: resumed from {resume.path} (step {trainer.iteration}) in {seconds:.2f} s")
@@ -369,6 +336,10 @@ def run_cli(spec: TaskSpec, argv: list[str], defaults: MegahetConfig | None = No
     """Entry point of the pretrain scripts: bad inputs end in one line naming the problem and fix."""
     try:
         pretrain(load_config(argv, defaults=defaults), spec)
+        # Join gloo's worker threads while the interpreter is alive: exiting with the process groups
+        # still up lets them be torn down during finalization (SIGABRT, "terminate called without an
+        # active exception"). Only on success: after a failure peers may be stuck in a collective.
+        destroy_parallel()
     except HelpRequested:
         print(config_help(defaults))
     except (ConfigError, FileNotFoundError) as err:

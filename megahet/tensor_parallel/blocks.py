@@ -78,9 +78,22 @@ class Block:
         self.row.set_guests(row_w)
 
     @property
+    def layers(self) -> list:
+        return [m for m in (self.column, self.row, self.attention) if m is not None]
+
+    @property
     def executed_flops(self) -> int:
-        core = self.attention.executed_flops if self.attention is not None else 0
-        return self.column.executed_flops + self.row.executed_flops + core
+        """Forward FLOPs executed so far (GEMMs of the computed units, attention's QK^T and AV)."""
+        return sum(m.executed_flops for m in self.layers)
+
+    @property
+    def backward_flops(self) -> int:
+        """Backward FLOPs executed so far (2x the forward's), counted once `count_backward()` is on."""
+        return sum(m.backward_flops for m in self.layers)
+
+    def count_backward(self) -> None:
+        for m in self.layers:
+            m.count_backward = True
 
 
 def find_blocks(model: torch.nn.Module) -> dict[BlockKey, Block]:

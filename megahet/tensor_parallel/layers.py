@@ -12,13 +12,15 @@ is decided elsewhere (the plan). With no index set they are megatron-core's laye
 - `ResizableSelfAttention`: runs megatron-core's attention over the kept heads only.
 
 Both GEMMs of a block shrink together, so a resized rank executes proportionally fewer FLOPs;
-every layer counts the FLOPs it executed (`executed_flops`, forward GEMMs) for measurement.
+every layer counts the FLOPs it executed (`executed_flops`, forward GEMMs; `backward_flops` when
+`count_backward` is set, for virtual devices).
 Sequence parallelism is not supported while resized (a clear error says so).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +35,18 @@ from megatron.core.transformer.attention import SelfAttention
 
 def _tokens(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1]
+
+
+def _charge_backward(layer, output: torch.Tensor, forward_flops: int) -> None:
+    """With `layer.count_backward`, add 2x a forward's FLOPs (input and weight gradients) to
+    `layer.backward_flops` when the output's gradient arrives, just before the layer's own backward runs
+    (a virtual device charges them before the backward's next collective)."""
+    if layer.count_backward and output.requires_grad:
+        output.register_hook(functools.partial(_count_backward, layer, 2 * forward_flops))
+
+
+def _count_backward(layer, flops: int, grad: torch.Tensor) -> None:
+    layer.backward_flops += flops
 
 
 def _check_resizable(layer) -> None:
@@ -50,7 +64,8 @@ class ResizableColumnParallelLinear(ColumnParallelLinear):
         self.kept: torch.Tensor | None = None
         self.guest_weight: torch.Tensor | None = None  # (guest rows, in): units migrated here
         self.guest_bias: torch.Tensor | None = None
-        self.executed_flops = 0
+        self.executed_flops = self.backward_flops = 0
+        self.count_backward = False
 
     def set_guests(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None) -> None:
         """Rows of other ranks' units to compute after this rank's own (migration), or None."""
@@ -68,8 +83,11 @@ class ResizableColumnParallelLinear(ColumnParallelLinear):
 
     def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output=None):
         if self.kept is None and self.guest_weight is None:
-            self.executed_flops += 2 * _tokens(input_) * self.weight.shape[0] * self.weight.shape[1]
-            return super().forward(input_, weight, runtime_gather_output)
+            flops = 2 * _tokens(input_) * self.weight.shape[0] * self.weight.shape[1]
+            self.executed_flops += flops
+            out = super().forward(input_, weight, runtime_gather_output)
+            _charge_backward(self, out[0], flops)
+            return out
         x = copy_to_tensor_model_parallel_region(input_)  # (s, b, h); all-reduces dgrad over TP
         w = self.weight if self.kept is None else self.weight.index_select(0, self.kept)  # (kept, h)
         bias = self.bias
@@ -78,8 +96,10 @@ class ResizableColumnParallelLinear(ColumnParallelLinear):
         if self.guest_weight is not None:  # guests' input is the replicated x this rank already holds
             w = torch.cat([w, self.guest_weight])  # (kept + guest rows, h)
             bias = torch.cat([bias, self.guest_bias]) if bias is not None else None
+        flops = 2 * _tokens(input_) * w.shape[0] * w.shape[1]
+        self.executed_flops += flops
         out = F.linear(x, w, None if self.skip_bias_add else bias)  # (s, b, kept + guests)
-        self.executed_flops += 2 * _tokens(input_) * w.shape[0] * w.shape[1]
+        _charge_backward(self, out, flops)
         return out, (bias if self.skip_bias_add else None)
 
 
@@ -90,7 +110,8 @@ class ResizableRowParallelLinear(RowParallelLinear):
         super().__init__(*args, **kwargs)
         self.kept: torch.Tensor | None = None
         self.guest_weight: torch.Tensor | None = None  # (out, guest cols): units migrated here
-        self.executed_flops = 0
+        self.executed_flops = self.backward_flops = 0
+        self.count_backward = False
 
     def set_guests(self, weight: torch.Tensor | None) -> None:
         """Columns of other ranks' units, consumed after this rank's own (migration), or None."""
@@ -108,15 +129,20 @@ class ResizableRowParallelLinear(RowParallelLinear):
 
     def forward(self, input_: torch.Tensor):
         if self.kept is None and self.guest_weight is None:
-            self.executed_flops += 2 * _tokens(input_) * self.weight.shape[0] * self.weight.shape[1]
-            return super().forward(input_)
+            flops = 2 * _tokens(input_) * self.weight.shape[0] * self.weight.shape[1]
+            self.executed_flops += flops
+            out = super().forward(input_)
+            _charge_backward(self, out[0], flops)
+            return out
         w = self.weight if self.kept is None else self.weight.index_select(1, self.kept)  # (h, kept)
         if self.guest_weight is not None:
             w = torch.cat([w, self.guest_weight], dim=1)  # (h, kept + guest cols)
         # (s, b, kept + guests) -> (s, b, h): this rank's partial sum, guests' share included, so the
         # all-reduce it already does combines them (migration-aware all-reduce).
+        flops = 2 * _tokens(input_) * w.shape[0] * w.shape[1]
+        self.executed_flops += flops
         partial = F.linear(input_, w)
-        self.executed_flops += 2 * _tokens(input_) * w.shape[0] * w.shape[1]
+        _charge_backward(self, partial, flops)
         out = reduce_from_tensor_model_parallel_region(partial)  # full-width all-reduce over TP
         if self.skip_bias_add:
             return out, self.bias
@@ -134,7 +160,8 @@ class ResizableSelfAttention(SelfAttention):
             )
         self.kept_heads: torch.Tensor | None = None
         self.guest_heads = 0  # heads of other ranks computed here (migration)
-        self.executed_flops = 0
+        self.executed_flops = self.backward_flops = 0
+        self.count_backward = False
 
     @property
     def num_local_heads(self) -> int:
@@ -188,8 +215,12 @@ class ResizableSelfAttention(SelfAttention):
         own = self.num_local_heads if self.kept_heads is None else len(self.kept_heads)
         heads = own + self.guest_heads
         s, b = hidden_states.shape[0], hidden_states.shape[1]
-        self.executed_flops += 4 * b * s * s * heads * self.hidden_size_per_attention_head  # QK^T and AV
+        flops = 4 * b * s * s * heads * self.hidden_size_per_attention_head  # QK^T and AV
+        self.executed_flops += flops
         if heads == self.num_local_heads and self.kept_heads is None:
-            return super().forward(hidden_states, *args, **kwargs)
-        with self._running_heads(heads):
-            return super().forward(hidden_states, *args, **kwargs)
+            out = super().forward(hidden_states, *args, **kwargs)
+        else:
+            with self._running_heads(heads):
+                out = super().forward(hidden_states, *args, **kwargs)
+        _charge_backward(self, out[0], flops)
+        return out

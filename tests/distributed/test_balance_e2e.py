@@ -1,10 +1,13 @@
 """End to end: an emulated 4x straggler is detected, the balancer migrates work away within a few
 steps, and the plan returns to the even split when the straggler recovers (2-rank TP=2 ViT,
 `--balance.mode migrate`, virtual devices with a speed schedule; real pretrain_vit.py launch). The
-per-rank telemetry (speed, plan, compute efficiency) and the `--balance.trace` JSONL + PNG follow it."""
+virtual device only slows its rank down: what the balancer and the console see is each rank's measured
+own compute (compute regions minus collective waits), never the device's charge. The per-rank
+telemetry (speed, plan, compute efficiency) and the `--balance.trace` JSONL + PNG follow it."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -49,29 +52,44 @@ def test_straggler_detected_and_work_migrated_within_a_few_steps(records):
     reacted = next(s for s in range(SLOW_FROM + 1, STEPS) if not _balanced_work(by_step[s]))
     assert reacted <= SLOW_FROM + 3, reacted
     assert by_step[reacted]["migration_mb_step_max"] > 0
-    # While migrated, the slow rank's charged busy time is close to the fast one's (it was 4x).
+    # The measured own compute shows the straggler 4x (its peer's waits are not compute), and while
+    # migrated the slow rank's compute is close to the fast one's.
     unbalanced = by_step[SLOW_FROM + 1]
-    assert unbalanced["busy_s_max"] > 3.5 * unbalanced["busy_s_min"]
+    assert unbalanced["compute_max_s"] > 3.5 * unbalanced["compute_min_s"]
+    assert unbalanced["device_charge_s_max"] > 3.5 * unbalanced["device_charge_s_min"]
     for s in range(reacted + 1, SLOW_UNTIL):
-        assert by_step[s]["busy_s_max"] < 1.35 * by_step[s]["busy_s_min"], (s, by_step[s])
+        assert by_step[s]["compute_max_s"] < 1.35 * by_step[s]["compute_min_s"], (s, by_step[s])
+    # Before the straggler, the two ranks' measured compute agrees within a few percent.
+    assert all(
+        by_step[s]["compute_max_s"] < 1.05 * by_step[s]["compute_min_s"] for s in range(2, SLOW_FROM + 1)
+    )
 
 
 def test_plan_returns_to_even_when_the_straggler_recovers(records):
     by_step = {r["step"]: r for r in records}
     recovered = next(s for s in range(SLOW_UNTIL + 1, STEPS + 1) if _balanced_work(by_step[s]))
-    assert recovered <= SLOW_UNTIL + 3, recovered
+    assert recovered <= SLOW_UNTIL + 7, recovered
     assert all(_balanced_work(by_step[s]) for s in range(recovered, STEPS + 1))
-    assert by_step[STEPS]["plan_changes_max"] == 2  # migrate once, return once: no flapping
+    # Migrate once; return in at most three steps as the measured speeds climb back (a rank doing few
+    # units carries the same fixed non-GEMM compute, so it first looks somewhat slower): no flapping,
+    # the migrated share only falls.
+    assert 2 <= by_step[STEPS]["plan_changes_max"] <= 4
+    moved = [by_step[s]["moved_tp1"] for s in range(SLOW_UNTIL, STEPS + 1)]
+    assert all(a >= b for a, b in itertools.pairwise(moved)), moved
     assert by_step[STEPS]["migration_mb_step_max"] == 0
 
 
 def test_console_and_wandb_metrics_show_each_ranks_speed_plan_and_efficiency(records):
     by_step = {r["step"]: r for r in records}
-    assert by_step[SLOW_FROM]["speed_tp1"] == 1.0 and by_step[SLOW_FROM]["balance_eff"] == pytest.approx(1.0)
+    # Measured, not charged: alike ranks agree within a few percent.
+    calm = by_step[SLOW_FROM]
+    assert calm["speed_tp1"] == pytest.approx(1.0, abs=0.05) and calm["balance_eff"] == pytest.approx(
+        1.0, abs=0.05
+    )
     slow = by_step[SLOW_FROM + 1]
     assert slow["balance_eff"] < 0.5  # 4x apart: ideal 1.6 / 4 = 0.4
     balanced = by_step[SLOW_UNTIL - 1]
-    assert balanced["speed_tp1"] == pytest.approx(0.25) and balanced["speed_tp0"] == 1.0
+    assert balanced["speed_tp1"] == pytest.approx(0.25, rel=0.1) and balanced["speed_tp0"] == 1.0
     # Rank 1 hands units to rank 0 (moved > 0 for an owner, < 0 for its helper); nothing dropped.
     assert balanced["moved_tp1"] > 0.3 and balanced["moved_tp0"] == pytest.approx(-balanced["moved_tp1"])
     assert balanced["gamma_tp0"] == balanced["gamma_tp1"] == 0.0

@@ -1,4 +1,5 @@
-"""Virtual heterogeneous devices: profiles, the charge arithmetic, and the hooks on a real model."""
+"""Virtual heterogeneous devices: profiles, the charge arithmetic, and the delay on a real model,
+paid inside the compute before the next collective."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from megahet.devices import DeviceStepHook, SpeedProfile, VirtualDevice, attach_virtual_device, parse_profile
 from megahet.tensor_parallel.executor import ResizeExecutor
 from megahet.tensor_parallel.plan import ResizePlan
+from megahet.timing import CommClock
 
 SEED = 99
 
@@ -71,15 +74,15 @@ def test_charge_sleeps_only_what_real_compute_did_not_use():
     assert slept == pytest.approx(0.03)
     assert time.perf_counter() - t0 >= 0.03
     assert device.charge(flops=int(0.001e9), real_s=1.0) == 0.0  # real compute already took longer
-    assert device.busy_s == pytest.approx(0.042)
+    assert device.charge_s == pytest.approx(0.042)
     assert device.overrun_s == pytest.approx(0.998)  # reported: the rate is too high for this rank
+    assert device.charge(flops=0, real_s=0.5) == 0.0  # compute outside the blocks (embedding) is no overrun
+    assert device.overrun_s == pytest.approx(0.998)
     device.set_step(5)
-    assert device.busy_s == 0.0 and device.overrun_s == 0.0
+    assert device.charge_s == 0.0 and device.overrun_s == 0.0
 
 
-def test_hooks_charge_the_executed_work_at_the_rank_speed(world1):
-    """Busy time = FLOPs actually executed / (rate x speed): 4x slower at speed 1/4, and resizing
-    (fewer executed units) shrinks the charge by exactly the dropped work."""
+def _tiny_gpt():
     from megahet.config import MegahetConfig
     from megahet.models.common import resizable_layer_spec
     from megahet.models.gpt import build_gpt
@@ -87,28 +90,38 @@ def test_hooks_charge_the_executed_work_at_the_rank_speed(world1):
     cfg = MegahetConfig()
     cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads = 2, 32, 4
     cfg.model.seq_length = 8
-    model = build_gpt(cfg, 128, resizable_layer_spec())
+    return build_gpt(cfg, 128, resizable_layer_spec())
+
+
+def test_device_charges_the_executed_work_at_the_rank_speed(world1):
+    """Charge = FLOPs actually executed (forward + 2x backward) / (rate x speed): 4x at speed 1/4, and
+    resizing (fewer executed units) shrinks it by exactly the dropped work. The rank's measured own
+    compute includes the delay: the device only slows the rank down."""
+    model = _tiny_gpt()
     tokens = torch.randint(0, 128, (2, 8))
     positions = torch.arange(8).expand(2, 8)
 
-    def busy(speed: float, plan: ResizePlan | None = None) -> float:
+    def charge(speed: float, plan: ResizePlan | None = None) -> tuple[float, float]:
+        clock = CommClock()
         device = VirtualDevice(SpeedProfile("static", speeds=(speed,)), tp_rank=0, tp_size=1, rate_gflops=50)
-        handles = attach_virtual_device(model, device)
+        attach_virtual_device(model, device, clock)
         executor = ResizeExecutor(model, dp_rank=0, tp_rank=0, dp_size=1)
         executor.apply(plan or ResizePlan())
         hook = DeviceStepHook(device)
         hook.before_forward_backward(0)
+        clock.open_region()
         model(tokens, positions, None, labels=tokens).sum().backward()
+        clock.close_region()  # pays what is owed
         executor.apply(ResizePlan())
-        for h in handles:
-            h.remove()
-        return hook.metrics()["busy_s"]
+        compute, wait, _ = clock.read()
+        assert wait == 0 and compute >= hook.metrics()["device_charge_s"]
+        return hook.metrics()["device_charge_s"], compute
 
-    full = busy(1.0)
-    assert busy(0.25) == pytest.approx(4 * full, rel=1e-9)
+    full, _ = charge(1.0)
+    assert charge(0.25)[0] == pytest.approx(4 * full, rel=1e-9)
     ffn = 4 * 32
     half_mlp = {("mlp", n): {(0, 0): tuple(range(ffn // 2))} for n in (1, 2)}
-    resized = busy(1.0, ResizePlan(half_mlp))
+    resized = charge(1.0, ResizePlan(half_mlp))[0]
     # MLP GEMMs: 2 matmuls of 2 * tokens * h * ffn each per layer; half of them are dropped.
     tokens_n, layers = 16, 2
     mlp_flops = layers * 2 * (2 * tokens_n * 32 * ffn)
@@ -116,10 +129,36 @@ def test_hooks_charge_the_executed_work_at_the_rank_speed(world1):
     assert full - resized == pytest.approx(dropped_charge, rel=1e-9)
 
 
+def test_device_pays_before_the_collective_not_after(world1):
+    """The delay sits inside the rank's compute, before the next collective: its peers would wait in
+    that collective. The wait itself is not compute."""
+    model = _tiny_gpt()
+    clock = CommClock.install()
+    clock.read()
+    device = VirtualDevice(SpeedProfile("static", speeds=(0.1,)), tp_rank=0, tp_size=1, rate_gflops=5)
+    attach_virtual_device(model, device, clock)
+    paid_at = []
+    clock.before_collective.append(lambda: paid_at.append(device.charge_s))
+    try:
+        clock.open_region()
+        t0 = time.perf_counter()
+        model(torch.randint(0, 128, (2, 8)), torch.arange(8).expand(2, 8), None)
+        charged = device.charge_s
+        dist.all_reduce(torch.ones(1))  # the device pays here, before the collective runs
+        assert paid_at[0] > charged == 0.0  # nothing was paid until a collective came
+        assert time.perf_counter() - t0 >= paid_at[0]
+        clock.close_region()
+    finally:
+        clock.before_collective.clear()
+        clock.sync_host = False
+    compute, wait, _ = clock.read()
+    assert compute >= paid_at[0] and wait < compute
+
+
 def test_attach_needs_resizable_layers():
     with pytest.raises(ValueError, match="resizable layers"):
         attach_virtual_device(
-            torch.nn.Linear(2, 2), VirtualDevice(SpeedProfile("static", speeds=(1.0,)), 0, 1, 1)
+            torch.nn.Linear(2, 2), VirtualDevice(SpeedProfile("static", speeds=(1.0,)), 0, 1, 1), CommClock()
         )
 
 

@@ -1,0 +1,298 @@
+"""A rank's own compute per step: megatron-core's compute regions minus the time blocked in collectives.
+
+Inside a TP group every block ends in a collective (row-parallel all-reduce in the forward, the
+column-parallel input-gradient all-reduce in the backward, the vocab-parallel embedding and
+cross-entropy reductions, ZeRO-2's reduce-scatters). A fast rank reaches each one early and waits there
+for the slow one, so the wall time of a forward or backward region is about the slowest rank's on every
+rank and hides the straggler. What differs is the time a rank spends *outside* those waits: its own
+compute. `CommClock` wraps torch.distributed's collectives (megatron-core, DeepSpeed and megahet all call
+them through the `torch.distributed` module) and `ComputeTimers` — megatron-core's `config.timers` —
+opens the 'forward-compute' / 'backward-compute' regions the schedule already times (pipeline
+send/receive waits fall outside them). Own compute = region time - collective time inside regions.
+
+Clocks: on CPU, `time.perf_counter()`. On a GPU, CUDA events recorded on the current stream (a collective
+is timed by events before and after the call, or around `work.wait()` for an asynchronous one: the stream
+time spent waiting for it), read once after the step: nothing synchronizes per region or collective.
+
+    clock = CommClock.install()          # once per process: wraps torch.distributed's collectives
+    timers = ComputeTimers(clock)        # model.config.timers = timers; the schedule opens the regions
+    time_layers(model, clock)            # also the own compute inside the transformer layers
+    ... one step ...
+    times = clock.read()                 # StepTimes(compute_s, wait_s, layers_s) of the step (resets)
+
+The balancer reads `layers_s`: the compute of the work a plan can move. A rank doing fewer units still
+runs the same embedding, output layer and loss; counting them would make it look slower per unit.
+
+`CommClock.before_collective` callbacks run just before every collective issued inside a region: a
+virtual device (megahet/devices.py) pays its emulated delay there, so its peers wait in that collective
+exactly as they do behind a really slow device.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from megahet.platform import cuda_available
+
+COMPUTE_REGIONS = ("forward-compute", "backward-compute")
+
+# torch.distributed entry points that wait on peers. Those returning a Work (async_op=True) inside a
+# region return a Work whose wait() is timed too.
+COLLECTIVES = (
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_gather",
+    "all_gather_into_tensor",
+    "_all_gather_base",
+    "all_gather_coalesced",
+    "all_gather_object",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "_reduce_scatter_base",
+    "reduce",
+    "broadcast",
+    "broadcast_object_list",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "barrier",
+    "send",
+    "recv",
+)
+# Not wrapped: isend / irecv / batch_isend_irecv (P2POp checks `op` against the originals). megatron-core's
+# pipeline sends and receives run outside the compute regions, and migration's between steps.
+
+
+class StepTimes(NamedTuple):
+    compute_s: float
+    """Own compute: the forward/backward compute regions minus the time blocked in collectives."""
+    wait_s: float
+    """Time blocked in collectives inside the regions (waiting for peers, and the transfers)."""
+    layers_s: float
+    """Own compute inside the transformer layers timed by `time_layers` (the work a plan moves: the
+    embedding, output layer and loss, which no plan changes, are left out), else 0."""
+
+
+class HostStamps:
+    """Host clock: a stamp is perf_counter()."""
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+
+class CudaStamps:
+    """CUDA events on the current stream: a stamp is an event, read after the step."""
+
+    def now(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        end.synchronize()  # already complete when read after the step: no stall
+        return start.elapsed_time(end) / 1e3
+
+
+class _TimedWork:
+    """An async collective's Work whose wait() counts as time blocked in the collective."""
+
+    def __init__(self, work, clock: CommClock):
+        self._work, self._clock = work, clock
+
+    def wait(self, *args, **kwargs):
+        with self._clock.blocked():
+            return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+class CommClock:
+    """Collective time inside compute regions, and the regions themselves, per step."""
+
+    _installed: CommClock | None = None
+
+    def __init__(self, stamps: HostStamps | CudaStamps | None = None):
+        self.stamps = stamps or (CudaStamps() if cuda_available() else HostStamps())
+        self.before_collective: list[Callable[[], None]] = []
+        """Called before each collective issued inside a compute region (virtual devices pay here)."""
+        self.sync_host = False
+        """Synchronize the GPU around each collective, so host clocks see its wait (virtual devices on a
+        GPU only; a real run never sets it)."""
+        self.blocked_host_s = 0.0
+        """Host seconds blocked in collectives inside regions, cumulative (what a virtual device reads)."""
+        self.region_host_start = 0.0
+        """perf_counter() when the current (or last) region opened."""
+        self._region_start = None
+        self._regions: list[tuple] = []  # (start, end) stamps of closed regions
+        self._waits: list[tuple] = []  # (start, end) stamps of collectives inside regions
+        self._layer_start = None
+        self._layers: list[tuple] = []  # (start, end) stamps of transformer layers' forward / backward
+        self._layer_waits: list[tuple] = []  # (start, end) stamps of collectives inside them
+        self._depth = 0  # a collective calling another (all_gather_object) is timed once
+
+    @classmethod
+    def install(cls) -> CommClock:
+        """The process's clock; the first call wraps torch.distributed's collectives."""
+        if cls._installed is None:
+            cls._installed = cls()
+            wrapped = {}
+            for name in COLLECTIVES:
+                if hasattr(dist, name):
+                    wrapped[getattr(dist, name)] = _wrap(getattr(dist, name))
+                    setattr(dist, name, wrapped[getattr(dist, name)])
+            _rebind_bound_collectives(wrapped)
+        return cls._installed
+
+    @property
+    def in_region(self) -> bool:
+        return self._region_start is not None
+
+    def open_region(self) -> None:
+        self.region_host_start = time.perf_counter()
+        self._region_start = self.stamps.now()
+
+    def close_region(self) -> None:
+        if self._region_start is None:
+            return
+        for pay in self.before_collective:  # what is owed is paid before the region ends
+            pay()
+        self._regions.append((self._region_start, self.stamps.now()))
+        self._region_start = None
+
+    def open_layer(self) -> None:
+        if self.in_region:
+            self._layer_start = self.stamps.now()
+
+    def close_layer(self) -> None:
+        if self._layer_start is not None:
+            self._layers.append((self._layer_start, self.stamps.now()))
+            self._layer_start = None
+
+    def blocked(self):
+        """Context manager timing one blocking call inside a region (a no-op outside regions)."""
+        return _Blocked(self)
+
+    def read(self) -> StepTimes:
+        """The step's times since the last read (then reset); on a GPU reads the events."""
+        total = self._seconds(self._regions)
+        waits = self._seconds(self._waits)
+        layers = self._seconds(self._layers) - self._seconds(self._layer_waits)
+        self._regions, self._waits, self._layers, self._layer_waits = [], [], [], []
+        return StepTimes(max(total - waits, 0.0), waits, max(layers, 0.0))
+
+    def _seconds(self, intervals: list[tuple]) -> float:
+        return sum(self.stamps.seconds(a, b) for a, b in intervals)
+
+
+class _Blocked:
+    def __init__(self, clock: CommClock):
+        self.clock = clock
+
+    def __enter__(self):
+        c = self.clock
+        self.timed = c.in_region and c._depth == 0
+        c._depth += 1
+        if not self.timed:
+            return
+        for pay in c.before_collective:
+            pay()
+        if c.sync_host:
+            torch.cuda.synchronize()
+        self.host0, self.start = time.perf_counter(), c.stamps.now()
+
+    def __exit__(self, *exc):
+        c = self.clock
+        c._depth -= 1
+        if not self.timed:
+            return
+        if c.sync_host:
+            torch.cuda.synchronize()
+        interval = (self.start, c.stamps.now())
+        c._waits.append(interval)
+        if c._layer_start is not None:
+            c._layer_waits.append(interval)
+        c.blocked_host_s += time.perf_counter() - self.host0
+
+
+def _wrap(fn):
+    @functools.wraps(fn)
+    def collective(*args, **kwargs):
+        clock = CommClock._installed
+        with clock.blocked():
+            out = fn(*args, **kwargs)
+        if clock.in_region and out is not None and hasattr(out, "wait"):
+            return _TimedWork(out, clock)
+        return out
+
+    collective.__wrapped_by_megahet__ = True
+    return collective
+
+
+# megatron-core modules that bind a collective to a name of their own when imported.
+_BOUND = (
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.transformer.multi_token_prediction",
+)
+
+
+def _rebind_bound_collectives(wrapped: dict) -> None:
+    """Point megatron-core's own names for collectives (`dist_all_gather_func`, ...) at the wrappers."""
+    import importlib
+
+    for module_name in _BOUND:
+        module = importlib.import_module(module_name)
+        for attr in ("dist_all_gather_func", "dist_reduce_scatter_func"):
+            fn = getattr(module, attr, None)
+            if fn in wrapped:
+                setattr(module, attr, wrapped[fn])
+
+
+def time_layers(model: torch.nn.Module, clock: CommClock) -> int:
+    """Time every TransformerLayer's forward and backward in `clock` (its `layers_s`); returns how many."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+    for layer in layers:
+        layer.register_forward_pre_hook(lambda *args: clock.open_layer())
+        layer.register_forward_hook(lambda *args: clock.close_layer())
+        layer.register_full_backward_pre_hook(lambda *args: clock.open_layer())
+        layer.register_full_backward_hook(lambda *args: clock.close_layer())
+    return len(layers)
+
+
+class ComputeTimers:
+    """megatron-core's `config.timers` interface: its compute regions open and close the clock's regions.
+
+    The schedule times 'forward-compute' and 'backward-compute' around the model's own work; every other
+    timer name it uses is accepted and ignored. Nothing here synchronizes a GPU."""
+
+    class _Timer:
+        def __init__(self, clock: CommClock | None, name: str):
+            self.clock = clock if name in COMPUTE_REGIONS else None
+
+        def start(self, barrier: bool = False) -> None:
+            if self.clock is not None:
+                self.clock.open_region()
+
+        def stop(self) -> None:
+            if self.clock is not None:
+                self.clock.close_region()
+
+    def __init__(self, clock: CommClock):
+        self.clock = clock
+        self._timers: dict[str, ComputeTimers._Timer] = {}
+
+    def __call__(self, name: str, log_level: int = 0) -> _Timer:
+        return self._timers.setdefault(name, ComputeTimers._Timer(self.clock, name))

@@ -1,0 +1,149 @@
+"""The own-compute clock (megahet/timing.py): regions minus collective waits, which collectives it
+wraps, async Work waits, nesting, and that nothing outside a region is counted. The two-rank check
+that a fast rank's waits for a slow peer are not its compute is in tests/distributed/test_timing.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megahet.timing import COLLECTIVES, CommClock, ComputeTimers, time_layers
+
+
+class FakeStamps:
+    """A clock that moves only when told to."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+
+def test_compute_is_regions_minus_waits_inside_them():
+    stamps = FakeStamps()
+    clock = CommClock(stamps)
+    timers = ComputeTimers(clock)
+    with clock.blocked():  # outside a region: not a wait of the step
+        stamps.t += 5.0
+    timers("forward-compute").start()
+    stamps.t += 1.0  # own compute
+    with clock.blocked():
+        stamps.t += 0.5  # waiting for a peer
+    stamps.t += 0.25
+    timers("forward-compute").stop()
+    timers("forward-recv").start()  # a pipeline wait: not a compute region
+    stamps.t += 3.0
+    timers("forward-recv").stop()
+    timers("backward-compute").start()
+    stamps.t += 2.0
+    with clock.blocked(), clock.blocked():  # a collective calling another is timed once
+        stamps.t += 1.0
+    timers("backward-compute").stop()
+    assert clock.read() == (3.25, 1.5, 0.0)
+    assert clock.read() == (0.0, 0.0, 0.0)  # read resets
+
+
+def test_layer_compute_excludes_what_is_outside_layers_and_their_waits():
+    stamps = FakeStamps()
+    clock = CommClock(stamps)
+    clock.open_layer()  # outside a region: not timed
+    stamps.t += 9.0
+    clock.close_layer()
+    clock.open_region()
+    stamps.t += 1.0  # embedding: compute, not layer compute
+    clock.open_layer()
+    stamps.t += 2.0
+    with clock.blocked():  # the layer's all-reduce
+        stamps.t += 0.5
+    clock.close_layer()
+    with clock.blocked():  # the loss's all-reduce
+        stamps.t += 0.25
+    clock.close_region()
+    assert clock.read() == (3.0, 0.75, 2.0)
+
+
+def test_time_layers_times_forward_and_backward_of_every_layer(world1):
+    from resize_gpt import VOCAB, gpt
+
+    model = gpt()
+    clock = CommClock()
+    assert time_layers(model, clock) == 2
+    clock.open_region()
+    tokens = torch.randint(0, VOCAB, (2, 8))
+    model(tokens, torch.arange(8).expand(2, 8), None, labels=tokens).sum().backward()
+    clock.close_region()
+    compute, wait, layers = clock.read()
+    assert 0 < layers < compute and wait == 0
+    assert len(clock._layers) == 0
+
+
+def test_before_collective_runs_inside_regions_only_and_at_region_end():
+    clock = CommClock(FakeStamps())
+    calls = []
+    clock.before_collective.append(lambda: calls.append(clock.in_region))
+    with clock.blocked():
+        pass
+    assert calls == []
+    clock.open_region()
+    with clock.blocked():
+        pass
+    clock.close_region()
+    assert calls == [True, True]  # before the collective, and what is owed at the region's end
+
+
+def test_install_wraps_torch_distributed_and_megatron_bound_names(world1):
+    from megatron.core.tensor_parallel import layers, mappings
+
+    clock = CommClock.install()
+    assert CommClock.install() is clock
+    for name in COLLECTIVES:
+        if hasattr(dist, name):
+            assert getattr(dist, name).__wrapped_by_megahet__, name
+    assert mappings.dist_all_gather_func.__wrapped_by_megahet__
+    assert mappings.dist_reduce_scatter_func.__wrapped_by_megahet__
+    assert layers.dist_all_gather_func.__wrapped_by_megahet__
+    # P2POp insists on the original isend / irecv: those stay unwrapped.
+    assert not hasattr(dist.isend, "__wrapped_by_megahet__")
+
+
+def test_real_collectives_in_a_region_are_timed_and_async_waits_too(world1):
+    clock = CommClock.install()
+    clock.read()
+    x = torch.ones(4)
+    dist.all_reduce(x)  # outside a region: a plain result
+    clock.open_region()
+    work = dist.all_reduce(x, async_op=True)
+    assert type(work).__name__ == "_TimedWork"
+    work.wait()
+    assert work.is_completed()  # the rest of the Work is the real one
+    dist.all_reduce(x)
+    clock.close_region()
+    compute, wait, _ = clock.read()
+    assert compute >= 0 and wait > 0
+    assert len(clock._waits) == 0
+
+
+def test_compute_timers_accept_every_timer_name():
+    timers = ComputeTimers(CommClock(FakeStamps()))
+    timers("forward-send-backward-recv", log_level=2).start(barrier=False)
+    timers("forward-send-backward-recv").stop()
+    assert timers("forward-compute") is timers("forward-compute")
+
+
+@pytest.mark.gpu
+def test_cuda_event_clock_needs_no_synchronize_per_region():
+    from megahet.timing import CudaStamps
+
+    clock = CommClock(CudaStamps())
+    a = torch.randn(2048, 2048, device="cuda")
+    clock.open_region()
+    for _ in range(20):
+        a = a @ a / 2048
+    clock.close_region()
+    compute, wait, _ = clock.read()
+    assert compute > 0 and wait == 0

@@ -93,40 +93,48 @@ def _kill_launch(proc: subprocess.Popen) -> None:
             pass
 
 
-def torchrun(worker: str, nproc: int, args: list[str], *, cwd: Path, timeout: float = 300) -> str:
-    """Run HERE/worker under torchrun with nproc ranks; return its output or raise LaunchError."""
+def start_torchrun(worker: str, nproc: int, args: list[str], *, cwd: Path) -> tuple[subprocess.Popen, list]:
+    """Start HERE/worker under torchrun with nproc ranks on a free port; return (process, command)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WANDB_MODE="disabled")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    for attempt in range(3):
-        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
-        cmd = [
-            *launcher,
-            "--master_addr=127.0.0.1",
-            f"--master_port={free_port()}",
-            str(HERE / worker),
-            *args,
-        ]
-        proc = subprocess.Popen(
-            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+    cmd = [*launcher, "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(HERE / worker), *args]
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    return proc, cmd
+
+
+def finish(proc: subprocess.Popen, cmd: list, worker: str, nproc: int, timeout: float) -> str:
+    """Wait for a started launch; return its output, or raise LaunchError (killing it on time-out)."""
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_launch(proc)
         try:
-            output, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_launch(proc)
-            try:
-                output, _ = proc.communicate(timeout=30)
-            except subprocess.TimeoutExpired:  # some rank escaped: give up on the rest of the output
-                output = ""
-            raise LaunchError(
-                f"{worker} with {nproc} ranks timed out after {timeout:.0f} s:\n{_excerpt(output)}"
-            ) from None
-        if proc.returncode == 0:
-            return output
-        if "EADDRINUSE" in output and attempt < 2:  # the port was taken between probe and bind
-            continue
+            output, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # some rank escaped: give up on the rest of the output
+            output = ""
+        raise LaunchError(
+            f"{worker} with {nproc} ranks timed out after {timeout:.0f} s:\n{_excerpt(output)}"
+        ) from None
+    if proc.returncode != 0:
         raise LaunchError(
             f"{worker} with {nproc} ranks exited with {proc.returncode}:\n{' '.join(cmd)}\n{_excerpt(output)}"
         )
+    return output
+
+
+def torchrun(worker: str, nproc: int, args: list[str], *, cwd: Path, timeout: float = 300) -> str:
+    """Run HERE/worker under torchrun with nproc ranks; return its output or raise LaunchError."""
+    for attempt in range(3):
+        proc, cmd = start_torchrun(worker, nproc, args, cwd=cwd)
+        try:
+            return finish(proc, cmd, worker, nproc, timeout)
+        except LaunchError as err:
+            if "EADDRINUSE" in str(err) and attempt < 2:  # the port was taken between probe and bind
+                continue
+            raise
     raise AssertionError("unreachable")
 
 

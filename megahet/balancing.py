@@ -38,6 +38,7 @@ from megahet.balance.detector import SpeedEstimator
 from megahet.balance.planner import WorkTarget, balance
 from megahet.config import MegahetConfig
 from megahet.parallel import ParallelLayout
+from megahet.timing import StepTimes
 
 
 def compute_efficiency(work: list[float], busy: list[float]) -> float:
@@ -60,14 +61,14 @@ class BalanceController:
         cfg: MegahetConfig,
         layout: ParallelLayout,
         resize,
-        compute_s: Callable[[], float],
+        times: Callable[[], StepTimes],
         step_start: Callable[[], float] = time.perf_counter,
     ):
         self.cfg, self.layout, self.resize = cfg.balance, layout, resize
-        self.compute_s = compute_s
-        """This rank's own compute inside its transformer layers in the step just done (the Trainer's
-        measurement: layer time minus the time blocked in collectives, megahet/timing.py). The only
-        time the balancer reads."""
+        self.times = times
+        """The step just done as the Trainer measured it (megahet/timing.py). The balancer plans on
+        `layers_s`, this rank's own compute inside its transformer layers (their time minus the time
+        blocked in collectives); the trace also records `compute_s` and `wait_s`."""
         self.step_start = step_start
         """When the current step began (the Trainer's clock), so plan changes and transfers count."""
         self.estimators = [SpeedEstimator(layout.tp_size, cfg.balance.window) for _ in range(layout.dp_size)]
@@ -102,16 +103,16 @@ class BalanceController:
     def after_step(self, engine) -> None:
         """Measure this step and start gathering it over the stage's TP x DP ranks (asynchronously: the
         few numbers travel while the step finishes; `_collect` waits for them)."""
-        work, busy = self._measure()
-        mine = torch.tensor([self.layout.dp_rank, self.layout.tp_rank, work, busy], dtype=torch.float64)
+        work = 3.0 * (self.resize.executor.executed_flops() - self._flops0)  # forward + 2x backward
+        t = self.times()
+        mine = torch.tensor(
+            [self.layout.dp_rank, self.layout.tp_rank, work, t.layers_s, t.compute_s, t.wait_s],
+            dtype=torch.float64,
+        )
         group = ps.get_tensor_and_data_parallel_group()
         rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         handle = dist.all_gather(rows, mine, group=group, async_op=True)
         self._pending = (handle, rows, self.step, time.perf_counter() - self.step_start())
-
-    def _measure(self) -> tuple[float, float]:
-        work = 3.0 * (self.resize.executor.executed_flops() - self._flops0)  # forward + 2x backward
-        return work, self.compute_s()
 
     def _collect(self) -> None:
         """Wait for the pending gather; feed the estimators, the efficiency and the trace with it."""
@@ -120,16 +121,16 @@ class BalanceController:
         handle, rows, step, step_s = self._pending
         self._pending = None
         handle.wait()
-        table = {(int(r[0]), int(r[1])): (float(r[2]), float(r[3])) for r in rows}
+        table = {(int(r[0]), int(r[1])): r[2:].tolist() for r in rows}
         tp, dp = range(self.layout.tp_size), range(self.layout.dp_size)
-        works = [[table[(d, t)][0] for t in tp] for d in dp]  # [dp][tp]
-        busys = [[table[(d, t)][1] for t in tp] for d in dp]
+        # [field][dp][tp]: work, layers' own compute, all own compute, collective waits
+        works, busys, computes, waits = ([[table[(d, t)][i] for t in tp] for d in dp] for i in range(4))
         for estimator, work, busy in zip(self.estimators, works, busys):
             estimator.update(work, busy)
         efficiency = [compute_efficiency(w, b) for w, b in zip(works, busys)]
         self._efficiency.append(efficiency[self.layout.dp_rank])
         if self._trace is not None:
-            self._write_trace(step, step_s, works, busys, efficiency)
+            self._write_trace(step, step_s, works, busys, efficiency, computes, waits)
         self._due = (step + 1) % self.cfg.interval == 0 and all(e.ready for e in self.estimators)
 
     def _plan(self) -> None:
@@ -157,7 +158,7 @@ class BalanceController:
     def _fractions(self, dp: int) -> dict[str, list[float]]:
         return self.resize.executor.plan.unit_fractions(self.resize.units, dp, self.layout.tp_size)
 
-    def _write_trace(self, step, step_s, works, busys, efficiency) -> None:
+    def _write_trace(self, step, step_s, works, busys, efficiency, computes, waits) -> None:
         """One JSON line per step: the executed plan and the measurements, indexed [dp][tp]."""
         dps = range(self.layout.dp_size)
         fractions = [self._fractions(dp) for dp in dps]
@@ -166,6 +167,8 @@ class BalanceController:
             "step_s": step_s,
             "efficiency": efficiency,
             "busy_s": busys,
+            "compute_s": computes,
+            "wait_s": waits,
             "work_gflop": [[w / 1e9 for w in ws] for ws in works],
             "speed": [self._speeds(dp) for dp in dps],
             **{k: [f[k] for f in fractions] for k in ("dropped", "sent", "hosted")},

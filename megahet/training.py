@@ -306,9 +306,7 @@ def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
 
         # First: it plans at the start of a step, before the ResizeController executes the plan.
         time_layers(task.model, trainer.clock)
-        balancer = BalanceController(
-            cfg, layout, hooks[0], lambda: trainer.times.layers_s, lambda: trainer.step_t0
-        )
+        balancer = BalanceController(cfg, layout, hooks[0], lambda: trainer.times, lambda: trainer.step_t0)
         trainer.step_hooks.insert(0, balancer)
     if resume is not None:
         seconds = checkpoint.load(trainer, resume)

@@ -29,7 +29,13 @@ def _records(path: Path) -> tuple[list[dict], dict]:
 def runs(gpt_data: list[str], tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("migration_pp")
     results = {}
-    for name, extra in (("plain", ["--resize.enabled", "true"]), ("migrate", ["--resize.migrate", "0:0.5"])):
+    # The plain run measures with the balancer (a trace, never a plan): its layer timers ride the 1F1B
+    # schedule of every stage without changing a number.
+    trace = ["--balance.trace", str(out / "trace.jsonl")]
+    for name, extra in (
+        ("plain", ["--resize.enabled", "true", *trace]),
+        ("migrate", ["--resize.migrate", "0:0.5"]),
+    ):
         metrics = out / f"{name}.jsonl"
         args = [
             *COMMON,
@@ -42,7 +48,12 @@ def runs(gpt_data: list[str], tmp_path_factory: pytest.TempPathFactory) -> dict:
         ]
         torchrun("../../pretrain_gpt.py", 4, args, cwd=out, timeout=300)
         results[name] = _records(metrics)
+    results["traces"] = [_trace(out / f"trace_stage{stage}.jsonl") for stage in (0, 1)]
     return results
+
+
+def _trace(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_migration_under_pipeline_parallelism_is_lossless(runs: dict) -> None:
@@ -60,3 +71,12 @@ def test_migration_under_pipeline_parallelism_is_lossless(runs: dict) -> None:
     assert all(r["migration_mb_step_max"] > 0 for r in migrated)
     assert migrated[-1]["block_gflops_max"] > 1.2 * migrated[-1]["block_gflops_min"]
     assert plain[-1]["block_gflops_max"] == plain[-1]["block_gflops_min"]
+
+
+def test_balancer_measures_every_pipeline_stage(runs: dict) -> None:
+    for trace in runs["traces"]:
+        assert [r["step"] for r in trace] == list(range(STEPS))
+        for r in trace[1:]:
+            layers, compute = r["busy_s"][0], r["compute_s"][0]
+            assert all(0 < a <= b for a, b in zip(layers, compute)), r
+            assert all(w >= 0 for w in r["wait_s"][0]) and r["step_s"] > max(compute)

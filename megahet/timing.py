@@ -259,16 +259,49 @@ def _rebind_bound_collectives(wrapped: dict) -> None:
                 setattr(module, attr, wrapped[fn])
 
 
+class _LayerBackwardEnds(torch.autograd.Function):
+    """Identity on a layer's input; its backward runs once the layer's backward has produced the input's
+    gradient, i.e. when the layer's backward ends."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, clock: CommClock) -> torch.Tensor:
+        ctx.clock = clock
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.clock.close_layer()
+        return grad, None
+
+
 def time_layers(model: torch.nn.Module, clock: CommClock) -> int:
-    """Time every TransformerLayer's forward and backward in `clock` (its `layers_s`); returns how many."""
+    """Time every TransformerLayer's forward and backward in `clock` (its `layers_s`); returns how many.
+
+    Forward: module hooks. Backward: from the moment the layer's output gradient arrives (a tensor hook)
+    to the moment its input gradient is complete (an identity Function on the input). Module backward
+    hooks would not do: megatron-core passes the hidden states as a keyword, and a full backward hook
+    on a module without positional tensor inputs fires as soon as the backward starts."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    def forward_pre(module, args, kwargs):
+        clock.open_layer()
+        if args:
+            return (_mark_input(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": _mark_input(kwargs["hidden_states"])}
+
+    def _mark_input(x: torch.Tensor) -> torch.Tensor:
+        return _LayerBackwardEnds.apply(x, clock) if torch.is_grad_enabled() and x.requires_grad else x
+
+    def forward_post(module, args, output):
+        clock.close_layer()
+        out = output[0] if isinstance(output, tuple) else output
+        if out.requires_grad:
+            out.register_hook(lambda grad: clock.open_layer())
 
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
     for layer in layers:
-        layer.register_forward_pre_hook(lambda *args: clock.open_layer())
-        layer.register_forward_hook(lambda *args: clock.close_layer())
-        layer.register_full_backward_pre_hook(lambda *args: clock.open_layer())
-        layer.register_full_backward_hook(lambda *args: clock.close_layer())
+        layer.register_forward_pre_hook(forward_pre, with_kwargs=True)
+        layer.register_forward_hook(forward_post)
     return len(layers)
 
 

@@ -80,11 +80,11 @@ def test_contended_rank_is_detected_and_work_migrates_within_a_few_steps(records
     assert all(r["speed_tp0"] == 1.0 and r["moved_tp1"] > 0.1 for r in late)
 
 
-def test_slowest_compute_falls_once_the_plan_changes(records):
-    """The slow rank's compute falls and the group's compute efficiency rises once work has moved; the
-    step time does not grow. (On this 2-core machine the contended rank's collectives and optimizer step
-    slow down too, and no plan moves those: benchmarks/real_contention.py measures the step-time gain
-    against static side by side.)"""
+def test_compute_and_step_time_fall_once_the_plan_changes(records):
+    """The slow rank's compute falls, the group's compute efficiency rises and the step time falls once
+    work has moved. (Measured ~10 %: on this 2-core machine the contended rank's collectives, optimizer
+    step and migration transfers slow down too, and no plan moves those; benchmarks/real_contention.py
+    sets the gain against what a perfect split of the measured speeds would reach.)"""
     rows, contended_from = records
     by_step = {r["step"]: r for r in rows}
     moved = next(s for s in range(contended_from + 1, STEPS + 1) if by_step[s]["moved_tp1"] > 0)
@@ -98,4 +98,4 @@ def test_slowest_compute_falls_once_the_plan_changes(records):
     assert median(balanced, "compute_max_s") < 0.9 * median(unbalanced, "compute_max_s")
     assert median(unbalanced, "balance_eff") < 0.8
     assert median(balanced, "balance_eff") > 0.9
-    assert median(balanced, "step_time_s") < 1.05 * median(unbalanced, "step_time_s")
+    assert median(balanced, "step_time_s") < median(unbalanced, "step_time_s")

@@ -60,7 +60,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.accuracy_plots import METRIC, plot
-from benchmarks.common import RESULTS, markdown_table, torchrun
+from benchmarks.common import RESULTS, markdown_table, settings_to_args, torchrun
 from benchmarks.selection_stats import SELECTION_COLUMNS, pooled_selection_lines, selection_comparison
 
 TARGET = 0.95  # time-to-target: first evaluation within 5 % of the baseline's final metric
@@ -209,18 +209,8 @@ STUDY_KEYS = (
 def setting_overrides(settings: list[str], flag: str = "--priority-set") -> list[str]:
     """`--set` / `--priority-set` KEY=VALUE values (e.g. resize.priority_score=snr) as megahet
     command-line overrides."""
-    out = []
-    for setting in settings:
-        key, sep, value = (part.strip() for part in setting.partition("="))
-        if not sep or not key:
-            raise SystemExit(f"{flag} {setting!r}: expected KEY=VALUE, e.g. resize.priority_score=snr")
-        if any(key == k or (k.endswith(".") and key.startswith(k)) for k in STUDY_KEYS):
-            raise SystemExit(
-                f"{flag} {key}: the study sets it per run (seed: --seed; grid: --grid, --only); "
-                "override another setting"
-            )
-        out += [f"--{key}", value]
-    return out
+    why = "the study sets it per run (seed: --seed; grid: --grid, --only); override another setting"
+    return settings_to_args(settings, flag, STUDY_KEYS, why)
 
 
 def launch(

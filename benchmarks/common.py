@@ -82,3 +82,19 @@ def torchrun(script: str, nproc: int, args: list[str], log: Path) -> float:
     raise RuntimeError(
         f"{script} with {nproc} ranks exited with {proc.returncode} (log {log}):\n{output[-3000:]}"
     )
+
+
+def settings_to_args(
+    settings: list[str], flag: str, reserved: tuple[str, ...] = (), why: str = ""
+) -> list[str]:
+    """KEY=VALUE settings (e.g. resize.selection=random) as megahet command-line overrides; a key in
+    `reserved` (or under a reserved 'section.') is refused with `why`."""
+    out = []
+    for setting in settings:
+        key, sep, value = (part.strip() for part in setting.partition("="))
+        if not sep or not key:
+            raise SystemExit(f"{flag} {setting!r}: expected KEY=VALUE, e.g. resize.priority_score=snr")
+        if any(key == k or (k.endswith(".") and key.startswith(k)) for k in reserved):
+            raise SystemExit(f"{flag} {key}: {why}")
+        out += [f"--{key}", value]
+    return out

@@ -2,6 +2,7 @@
 
     python benchmarks/real_contention.py                     # 4 modes + an uncontended run (~6 min)
     python benchmarks/real_contention.py --steps 30 --modes static migrate
+    python benchmarks/real_contention.py --set resize.selection=random --name real_contention_random
 
 No virtual device. Each rank of a TP=2 GPT (pretrain_gpt.py) is pinned to a core of its own
 (tools/pin_ranks.py), and a busy loop pinned to TP rank 1's core competes with it for the whole run
@@ -36,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RESULTS, save_results, torchrun
+from benchmarks.common import RESULTS, save_results, settings_to_args, torchrun
 from benchmarks.contention import competing_process, core_share, schedstat, two_cores
 from megahet.balance.plot import read_trace
 
@@ -103,8 +104,14 @@ class ShareMonitor(threading.Thread):
         return core_share(first[1:], self.samples[-1][1:])
 
 
-def run(mode: str, contended: bool, steps: int, cores: list[int]) -> tuple[list[dict], float]:
-    name = f"{mode}{'' if contended else '_calm'}"
+# Settings every run's identity rests on: not overridable with --set.
+RESERVED = ("parallel.", "balance.", "train.train_iters", "train.log_interval", "device.")
+
+
+def run(
+    mode: str, contended: bool, steps: int, cores: list[int], overrides: list[str] = (), tag: str = ""
+) -> tuple[list[dict], float]:
+    name = f"{tag}{mode}{'' if contended else '_calm'}"
     trace = RUNS / f"{name}.jsonl"
     args = [
         str(ROOT / "pretrain_gpt.py"),
@@ -112,6 +119,7 @@ def run(mode: str, contended: bool, steps: int, cores: list[int]) -> tuple[list[
         *("--parallel.tp", "2", "--balance.mode", mode, "--balance.trace", str(trace)),
         *("--train.train_iters", str(steps), "--train.log_interval", str(steps)),
         *("--train.eval_interval", str(steps), "--train.eval_iters", "1", "--logging.wandb", "false"),
+        *overrides,
     ]
     os.environ["MEGAHET_CORES"] = ",".join(map(str, cores))  # rank r on cores[r] (tools/pin_ranks.py)
     monitor = ShareMonitor()
@@ -200,7 +208,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip", type=int, default=15, help="steps left out of the medians (reaction)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--name", default="real_contention")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a megahet setting for every run"
+    )
     args = parser.parse_args(argv)
+    why = "the benchmark sets it per run; override another setting"
+    overrides = settings_to_args(args.set, "--set", RESERVED, why)
+    if overrides and args.name == "real_contention":
+        sys.exit("real_contention: error: --set changes the runs: give them their own --name")
     cores = two_cores()
     if cores is None:
         sys.exit("real_contention: error: needs two CPU cores to pin the ranks to")
@@ -210,13 +225,15 @@ def main(argv: list[str] | None = None) -> None:
     rows, traces = [], {}
     t0 = time.perf_counter()
     for mode, contended in [*((m, True) for m in args.modes), ("static", False)]:
-        trace, share = run(mode, contended, args.steps, cores)
+        tag = "" if args.name == "real_contention" else f"{args.name}_"
+        trace, share = run(mode, contended, args.steps, cores, overrides, tag)
         rows.append(summarize(mode, contended, trace, share, args.skip))
         traces[f"{mode}{'' if contended else ' (no contention)'}"] = trace
         print(f"{mode} contended={contended}: {rows[-1]['step_s']:.3f} s/step", flush=True)
     add_speedups(rows)
     meta = {
         "steps": args.steps,
+        "set": args.set,
         "skip": args.skip,
         "cores": cores,
         "wall_s": time.perf_counter() - t0,

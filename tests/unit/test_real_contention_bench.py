@@ -81,3 +81,46 @@ def test_summary_ideal_speedup_and_goals():
     assert lines[0] == "migrate: speed-up 1.200 = 0.933 of the ideal 1.286 (goal >= 0.9) -> met"
     assert lines[1] == "semi: speed-up 1.034 = 0.805 of the ideal 1.286 (goal >= 0.9) -> MISSED"
     assert len(lines) == 2  # resize and the uncontended run have no goal
+
+
+def test_a_run_pins_the_ranks_and_passes_the_settings(tmp_path, monkeypatch):
+    import json
+
+    import benchmarks.real_contention as bench
+
+    monkeypatch.setattr(bench, "RUNS", tmp_path)
+    launched = []
+
+    def fake_torchrun(script, nproc, args, log):
+        launched.append((script, nproc, args, log, os.environ.get("MEGAHET_CORES")))
+        trace = args[args.index("--balance.trace") + 1]
+        with open(trace, "w") as f:
+            f.write(json.dumps({"step": 0}) + "\n")
+        return 1.0
+
+    monkeypatch.setattr(bench, "torchrun", fake_torchrun)
+    trace, _ = bench.run("migrate", False, 12, [0, 1], ["--resize.selection", "random"], tag="x_")
+    ((script, nproc, args, log, cores),) = launched
+    assert (script, nproc, log, cores) == ("tools/pin_ranks.py", 2, tmp_path / "x_migrate_calm.log", "0,1")
+    assert args[args.index("--balance.mode") + 1] == "migrate" and args[-2:] == [
+        "--resize.selection",
+        "random",
+    ]
+    assert trace == [{"step": 0}] and "MEGAHET_CORES" not in os.environ
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--set", "resize.selection=random"], "give them their own --name"),
+        (["--set", "balance.window=5", "--name", "x"], "--set balance.window: the benchmark sets it"),
+        (["--set", "oops", "--name", "x"], "expected KEY=VALUE"),
+        (["--modes", "migrate"], "must include static"),
+    ],
+)
+def test_bad_arguments_are_one_line_errors(argv, message, monkeypatch):
+    import benchmarks.real_contention as bench
+
+    monkeypatch.setattr(bench, "run", lambda *a, **k: pytest.fail("launched"))
+    with pytest.raises(SystemExit, match=message):
+        bench.main(argv)

@@ -44,7 +44,7 @@ from megahet.balance.plot import read_trace
 RUNS = RESULTS / "real_contention_runs"
 MODES = ("static", "resize", "migrate", "semi")
 # A GPT whose compute dominates its step on two CPU ranks (hidden 512: the TP all-reduces are small
-# against the GEMMs), one micro-batch of 4 x 128 tokens per step.
+# against the GEMMs), two micro-batches of 4 x 128 tokens per step.
 MODEL = [
     *("--model.num_layers", "2", "--model.hidden_size", "512", "--model.num_attention_heads", "8"),
     *("--model.seq_length", "128", "--data.vocab_size", "1024"),

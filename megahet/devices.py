@@ -134,6 +134,13 @@ class VirtualDevice:
         self.clock: CommClock | None = None
         self._last = (0.0, 0, 0.0)  # (perf_counter, work, clock.blocked_host_s) at the last payment
 
+    def attach(self, work: Callable[[], int], clock: CommClock) -> None:
+        """Count `work` (cumulative FLOPs) and pay before each collective of `clock`'s regions."""
+        self.work, self.clock = work, clock
+        self._last = (0.0, work(), clock.blocked_host_s)
+        clock.before_collective.append(self.pay)
+        clock.sync_host = cuda_available()
+
     def set_step(self, step: int) -> None:
         self.step, self.charge_s, self.overrun_s = step, 0.0, 0.0
 
@@ -173,11 +180,7 @@ def attach_virtual_device(model: torch.nn.Module, device: VirtualDevice, clock: 
         )
     for block in blocks:
         block.count_backward()
-    device.work = lambda: sum(b.executed_flops + b.backward_flops for b in blocks)
-    device.clock = clock
-    device._last = (0.0, device.work(), clock.blocked_host_s)
-    clock.before_collective.append(device.pay)
-    clock.sync_host = cuda_available()
+    device.attach(lambda: sum(b.executed_flops + b.backward_flops for b in blocks), clock)
 
 
 class DeviceStepHook:

@@ -147,3 +147,38 @@ def test_cuda_event_clock_needs_no_synchronize_per_region():
     clock.close_region()
     compute, wait, _ = clock.read()
     assert compute > 0 and wait == 0
+
+
+def test_cuda_event_clock_logic_without_a_gpu(monkeypatch):
+    """What a GPU run goes through, with torch.cuda.Event faked on the host: one event per stamp, read
+    after the step in milliseconds -> seconds, and no torch.cuda.synchronize() anywhere in a step."""
+    from megahet.timing import CudaStamps
+
+    recorded = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing: bool = False):
+            assert enable_timing
+            self.t, self.synced = None, False
+
+        def record(self):
+            self.t = stamps_now[0]
+            recorded.append(self)
+
+        def synchronize(self):
+            self.synced = True
+
+        def elapsed_time(self, end):
+            return (end.t - self.t) * 1e3  # milliseconds, as CUDA reports
+
+    stamps_now = [0.0]
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("synchronized in a step"))
+    clock = CommClock(CudaStamps())
+    clock.open_region()
+    stamps_now[0] = 2.0
+    with clock.blocked():
+        stamps_now[0] = 2.5
+    clock.close_region()
+    assert len(recorded) == 4 and not any(e.synced for e in recorded)
+    assert clock.read() == (2.0, 0.5, 0.0)  # read once, after the step

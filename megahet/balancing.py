@@ -4,9 +4,10 @@ After every step each rank contributes two numbers — the work its resizable bl
 + backward FLOPs) and its own compute time in its transformer layers (their forward and backward
 minus the time it was blocked in collectives, megahet/timing.py: a fast rank's waits for its slow
 peers are not its compute; the embedding, output layer and loss, which no plan moves, are left out
-so that a rank doing fewer units does not look slower per unit) — gathered over its pipeline stage's TP x DP ranks by an asynchronous all-gather that
-completes while the step finishes. A virtual device is measured the same way: it only slows its rank
-down, and the balancer never reads its profile or charge. At the start of the next step every rank feeds the
+so that a rank doing fewer units does not look slower per unit) — gathered over its pipeline stage's
+TP x DP ranks by an asynchronous all-gather that completes while the step finishes. A virtual device
+is measured the same way: it only slows its rank down, and the balancer never reads its profile or
+charge. At the start of the next step every rank feeds the
 same `SpeedEstimator`s (one per DP replica's TP group) with them and, every `balance.interval` steps,
 runs the same pure planner (`megahet.balance.planner.balance`: static, resize, migrate or semi, with
 hysteresis and a return to the even split when the group is healthy), so the resulting plan is

@@ -23,7 +23,7 @@ from megahet.checkpoint import start_sample
 from megahet.config import ConfigError, MegahetConfig
 from megahet.data.gpt_data import build_gpt_datasets
 from megahet.data.prepare import ensure_gpt_data, gpt_data_paths
-from megahet.data.sampling import micro_batches
+from megahet.data.sampling import micro_batches, to_device
 from megahet.data.tokenizer import SentencePieceTokenizer
 from megahet.data.wheels import data_dir
 from megahet.models.gpt import build_gpt
@@ -82,7 +82,7 @@ def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
 
 
 def forward_step(data_iterator, model):
-    batch = next(data_iterator)
+    batch = to_device(next(data_iterator))
     per_token_loss = model(
         batch["tokens"], batch["position_ids"], None, labels=batch["labels"]
     )  # (b, s) on the last stage; hidden states (s, b, h) before it

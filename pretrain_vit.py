@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from megahet.checkpoint import start_sample
 from megahet.config import ConfigError, MegahetConfig
 from megahet.data.mnist import load_mnist
-from megahet.data.sampling import micro_batches
+from megahet.data.sampling import micro_batches, to_device
 from megahet.models.vit import build_vit
 from megahet.parallel import ParallelLayout
 from megahet.training import Task, TaskSpec, run_cli
@@ -47,7 +47,7 @@ def loss_func(labels: torch.Tensor, logits: torch.Tensor):
 
 
 def forward_step(data_iterator, model):
-    batch = next(data_iterator)
+    batch = to_device(next(data_iterator))
     logits = model(batch["images"])  # (b, classes) on the last stage, (s, b, h) before it
     return logits, functools.partial(loss_func, batch["labels"])
 

@@ -5,6 +5,7 @@ dataset order; DP rank r takes the r-th contiguous G/DP slice of it, in micro-ba
 DP size sees the same samples per step, and DP=2 trains on exactly what DP=1 does.
 
     it = micro_batches(dataset, global_batch_size=16, micro_batch_size=4, dp_rank=0, dp_size=2)
+    batch = to_device(next(it))      # in a forward_step: onto this process's GPU (or the CPU)
 """
 
 from __future__ import annotations
@@ -16,10 +17,18 @@ import numpy as np
 import torch
 
 from megahet.config import ConfigError
+from megahet.platform import device as process_device
 
 
 def _collate(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     return {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in samples[0]}
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """The batch's tensors on `device` (default: this process's GPU, else the CPU), as megatron's
+    get_batch does with `.cuda(non_blocking=True)`; the model and its loss live there."""
+    device = process_device() if device is None else device
+    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
 
 
 def sample_order(num_samples: int, epoch: int, shuffle_seed: int | None) -> np.ndarray:

@@ -7,6 +7,7 @@ tensor-parallel layers replace megatron-core's own through a spec, never through
 from __future__ import annotations
 
 import copy
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -24,8 +25,23 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def has_fused_softmax_kernel() -> bool:
+    """Whether the CUDA extension behind megatron-core's fused masked softmax is installed (it comes
+    with apex or Megatron-LM's fused kernels, not with megatron-core); without it the fused path fails
+    with ImportError on its first call."""
+    try:
+        return importlib.util.find_spec("scaled_upper_triang_masked_softmax_cuda") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def transformer_config(cfg: MegahetConfig) -> TransformerConfig:
-    """megatron-core's TransformerConfig for this run: fused CUDA kernels only where CUDA exists."""
+    """megatron-core's TransformerConfig for this run: fused CUDA kernels only where CUDA exists.
+
+    GPT-2's tanh GELU on both paths: on CUDA, megatron-core fuses bias + GELU only for `F.gelu`, and
+    its fused kernel (`fusions/fused_bias_gelu.bias_gelu`) *is* the tanh approximation; without
+    fusion the activation is applied as given, so the CPU path names the tanh GELU itself.
+    """
     m, p = cfg.model, cfg.parallel
     dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
     fused = cuda_available()
@@ -40,7 +56,7 @@ def transformer_config(cfg: MegahetConfig) -> TransformerConfig:
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
         layernorm_epsilon=m.layernorm_epsilon,
-        activation_func=gelu_tanh,
+        activation_func=F.gelu if fused else gelu_tanh,  # tanh GELU either way (see above)
         add_bias_linear=True,
         normalization="LayerNorm",
         # Initialize every weight from its full (unsharded) master on the CPU, so a model is the
@@ -51,7 +67,7 @@ def transformer_config(cfg: MegahetConfig) -> TransformerConfig:
         bf16=cfg.train.precision == "bf16",
         gradient_accumulation_fusion=False,
         bias_activation_fusion=fused,
-        masked_softmax_fusion=fused,
+        masked_softmax_fusion=fused and has_fused_softmax_kernel(),
         bias_dropout_fusion=fused,
         persist_layer_norm=False,
         apply_rope_fusion=False,

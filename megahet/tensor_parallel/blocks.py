@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
+import numpy as np
 import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -35,6 +37,15 @@ class UnitParam:
     def units(self, tensor: torch.Tensor) -> torch.Tensor:
         """A view of `tensor` (shaped like the parameter) with the unit axis first: (units, ...)."""
         return tensor.unflatten(self.dim, (-1, self.width)).movedim(self.dim, 0)
+
+    def offsets(self, units: np.ndarray) -> np.ndarray:
+        """Where the given units' elements sit in the flat parameter: host int64, computed from the shape
+        alone (no device tensor is read, so no synchronization)."""
+        shape = self.param.shape
+        before, after = math.prod(shape[: self.dim]), math.prod(shape[self.dim + 1 :])
+        rows = (np.asarray(units, np.int64)[:, None] * self.width + np.arange(self.width)).reshape(-1)
+        start = np.arange(before)[:, None, None] * (shape[self.dim] * after)  # (before, 1, 1)
+        return (start + rows[None, :, None] * after + np.arange(after)[None, None, :]).reshape(-1)
 
 
 @dataclasses.dataclass

@@ -41,13 +41,26 @@ Imputation = Literal["zero", "same", "average"]
 
 @dataclasses.dataclass
 class _BlockState:
-    computed: torch.Tensor  # (units,) bool: this rank computes the unit
-    count: torch.Tensor  # (units,) int: DP replicas that compute the unit
-    scale: torch.Tensor  # (units,) float: D / k_u where 0 < k_u, else 1
+    """A block's share of the plan: host arrays for bookkeeping, and the index and scale tensors the
+    layers and gradient hooks use, made once per plan on the parameters' device (no host-to-device
+    copy or synchronization per micro-batch)."""
 
-    @property
-    def imputed(self) -> torch.Tensor:
-        return torch.nonzero(self.count == 0).flatten()
+    computed: np.ndarray  # (units,) bool: this rank computes the unit
+    counts: np.ndarray  # (units,) int: DP replicas that compute the unit
+    kept: torch.Tensor  # (computed units,) int64 on the device: the units this rank computes
+    imputed: torch.Tensor  # (units no replica computes,) int64 on the device
+    scale: torch.Tensor  # (units,) float32 on the device: D / k_u where 0 < k_u, else 1
+
+    @classmethod
+    def of(cls, computed: np.ndarray, counts: np.ndarray, dp_size: int, device: torch.device) -> _BlockState:
+        scale = np.where(counts > 0, dp_size / np.maximum(counts, 1), 1.0)
+        return cls(
+            computed,
+            counts,
+            torch.from_numpy(np.flatnonzero(computed)).to(device),
+            torch.from_numpy(np.flatnonzero(counts == 0)).to(device),
+            torch.from_numpy(scale).float().to(device),
+        )
 
 
 class ResizeExecutor:
@@ -76,6 +89,7 @@ class ResizeExecutor:
         self._last_grad: dict[UnitParam, torch.Tensor] = {}
         self._step_grad: dict[UnitParam, torch.Tensor] = {}
         self._frozen: list = []
+        self._frozen_index: dict[UnitParam, tuple] = {}  # per parameter, _FrozenSlice.indexes of the plan
         self.unit_gradients: dict[BlockKey, torch.Tensor] = {}
         """With track_gradients: each unit's local gradient of the last step at the sampled elements,
         (units, samples) (every element when score_samples is 0 or covers the unit)."""
@@ -111,31 +125,32 @@ class ResizeExecutor:
 
     def computed_units(self, key: BlockKey) -> np.ndarray:
         state = self._state[key]
-        return np.ones(self.blocks[key].num_units, bool) if state is None else state.computed.numpy()
+        return np.ones(self.blocks[key].num_units, bool) if state is None else state.computed
 
     def apply(self, plan: ResizePlan) -> None:
         """Make the layers execute `plan` from the next forward pass on."""
         self.plan = plan
+        self._frozen_index = {}
         for key, block in self.blocks.items():
             n = block.num_units
-            counts = torch.tensor(plan.compute_counts(key, self.tp_rank, self.dp_size, n))
-            dropped = torch.tensor(plan.dropped(key, self.dp_rank, self.tp_rank), dtype=torch.long)
-            if len(dropped) and (int(dropped.max()) >= n or len(dropped) >= n):
+            counts = np.asarray(plan.compute_counts(key, self.tp_rank, self.dp_size, n))
+            dropped = list(plan.dropped(key, self.dp_rank, self.tp_rank))
+            if dropped and (max(dropped) >= n or len(dropped) >= n):
                 raise ValueError(
-                    f"plan drops units {dropped.tolist()} of block {key}, which has {n}: keep at least one"
+                    f"plan drops units {dropped} of block {key}, which has {n}: keep at least one"
                 )
-            computed = torch.ones(n, dtype=torch.bool)  # executed here: neither dropped nor migrated away
+            computed = np.ones(n, dtype=bool)  # executed here: neither dropped nor migrated away
             computed[dropped] = False
             computed[list(plan.migrated_away(key, self.dp_rank, self.tp_rank))] = False
-            if not bool(computed.any()):
+            if not computed.any():
                 raise ValueError(
                     f"plan leaves rank (dp {self.dp_rank}, tp {self.tp_rank}) no unit of block {key}"
                 )
-            if bool(computed.all()) and bool((counts == self.dp_size).all()):
+            if computed.all() and (counts == self.dp_size).all():
                 self._state[key] = None
             else:
-                scale = torch.where(counts > 0, self.dp_size / counts.clamp(min=1).float(), torch.ones(n))
-                self._state[key] = _BlockState(computed, counts, scale)
+                device = block.column.weight.device
+                self._state[key] = _BlockState.of(computed, counts, self.dp_size, device)
         self._install(True)
         self.exchange.apply(plan)
 
@@ -143,7 +158,7 @@ class ResizeExecutor:
         """Set every block's executed units (and guests) from the current state, or the whole model."""
         for key, block in self.blocks.items():
             state = self._state[key] if enabled else None
-            block.apply(None if state is None else torch.nonzero(state.computed).flatten())
+            block.apply(None if state is None else state.kept)
         self.exchange.install(enabled)
 
     def last_gradients(self) -> dict[str, list[torch.Tensor]]:
@@ -182,7 +197,7 @@ class ResizeExecutor:
             units = up.units(grad)  # (units, ...)
             imputed = state.imputed
             if len(imputed) and self.imputation == "average":
-                units[imputed] = units[state.computed].mean(dim=0).to(grad.dtype)
+                units[imputed] = units[state.kept].mean(dim=0).to(grad.dtype)
             elif len(imputed) and self.imputation == "same":
                 units[imputed] = (up.units(self._last_grad[up])[imputed] / self.num_microbatches).to(
                     grad.dtype
@@ -210,10 +225,11 @@ class ResizeExecutor:
             state = self._state[key]
             if state is None or not len(state.imputed):
                 continue
+            imputed = np.flatnonzero(state.counts == 0)
             for up in block.unit_params:
-                mask = torch.zeros(up.param.shape, dtype=torch.bool)
-                up.units(mask)[state.imputed] = True
-                self._frozen.append(_FrozenSlice.capture(up.param, mask.view(-1), optimizer))
+                if up not in self._frozen_index:  # once per plan: a host-to-device copy syncs the stream
+                    self._frozen_index[up] = _FrozenSlice.indexes(up.param, up.offsets(imputed))
+                self._frozen.append(_FrozenSlice.capture(up.param, *self._frozen_index[up], optimizer))
 
     def after_step(self, optimizer=None) -> None:
         """Restore frozen units; keep the step's unit gradients ('same' policy, statistics)."""
@@ -223,7 +239,8 @@ class ResizeExecutor:
         if self.exchange.active:
             self.exchange.bytes_last_step += self.exchange.push_weights()
         for key, block in self.blocks.items():
-            keep = torch.from_numpy(self.computed_units(key))
+            state = self._state[key]
+            keep = slice(None) if state is None else state.kept  # the units computed this step
             if self.track_gradients:
                 self.unit_gradients[key] = torch.cat(
                     [self._sample_grad[up] for up in block.unit_params], dim=1
@@ -279,44 +296,64 @@ def _take(tensor: torch.Tensor, up: UnitParam, offsets: torch.Tensor | None) -> 
 
 @dataclasses.dataclass
 class _FrozenSlice:
-    """The values of some elements of a parameter: module copy, DeepSpeed fp32 master, optimizer state."""
+    """The values of some elements of a parameter: module copy, DeepSpeed fp32 master, optimizer state.
+
+    The elements are given by flat offsets computed on the host from the plan, and moved to the
+    parameter's device once: capture and restore are index_select / index_copy_, with no boolean
+    masking (a device-to-host synchronization per parameter on a GPU)."""
 
     param: torch.nn.Parameter
-    flat_mask: torch.Tensor
+    index: torch.Tensor  # (elements,) int64 on the parameter's device
     module_values: torch.Tensor
-    master: tuple | None  # (local mask, fp32 values, {state key: values}) of this rank's ZeRO fragment
+    master: tuple | None  # (local index, fp32 values, {state key: values}) of this rank's ZeRO fragment
     torch_state: dict[str, torch.Tensor]
+
+    @staticmethod
+    def indexes(param, offsets: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(flat offsets in the parameter, offsets in this rank's ZeRO fp32 fragment or None), int64 on
+        the devices of the parameter and of the fragment."""
+        fragment = getattr(param, "_hp_mapping", None)  # DeepSpeed ZeRO-1/2 link to the fp32 partition
+        local = None
+        if fragment is not None:
+            addr = fragment.lp_fragment_address
+            mine = offsets[(offsets >= addr.start) & (offsets < addr.start + addr.numel)] - addr.start
+            local = torch.from_numpy(mine).to(fragment.hp_fragment.device)
+        return torch.from_numpy(offsets).to(param.device), local
 
     @classmethod
     @torch.no_grad()
-    def capture(cls, param, flat_mask, optimizer) -> _FrozenSlice:
+    def capture(cls, param, index: torch.Tensor, local: torch.Tensor | None, optimizer) -> _FrozenSlice:
         master = None
-        fragment = getattr(param, "_hp_mapping", None)  # DeepSpeed ZeRO-1/2 link to the fp32 partition
-        if fragment is not None:
-            addr = fragment.lp_fragment_address
-            local = flat_mask[addr.start : addr.start + addr.numel]
-            states = {k: v[local].clone() for k, v in _optim_fragment(fragment, optimizer).items()}
-            master = (local, fragment.hp_fragment[local].clone(), states)
+        fragment = getattr(param, "_hp_mapping", None)
+        if fragment is not None and local is not None:
+            states = {k: v.index_select(0, local) for k, v in _optim_fragment(fragment, optimizer).items()}
+            master = (local, fragment.hp_fragment.index_select(0, local), states)
         torch_state = {}
         if optimizer is not None and param in getattr(optimizer, "state", {}):
             for k, v in optimizer.state[param].items():
                 if torch.is_tensor(v) and v.shape == param.shape:
-                    torch_state[k] = v.view(-1)[flat_mask].clone()
-        return cls(param, flat_mask, param.data.view(-1)[flat_mask].clone(), master, torch_state)
+                    torch_state[k] = v.view(-1).index_select(0, index)
+        return cls(param, index, param.data.view(-1).index_select(0, index), master, torch_state)
 
     @torch.no_grad()
     def restore(self, optimizer) -> None:
-        self.param.data.view(-1)[self.flat_mask] = self.module_values
+        self.param.data.view(-1).index_copy_(0, self.index, self.module_values)
         fragment = getattr(self.param, "_hp_mapping", None)
         if self.master is not None and fragment is not None:
             local, values, states = self.master
-            fragment.hp_fragment[local] = values
+            fragment.hp_fragment.index_copy_(0, local, values)
             for k, v in _optim_fragment(fragment, optimizer).items():
-                v[local] = states.get(k, 0.0)  # state created by this step: as if never stepped
+                if k in states:
+                    v.index_copy_(0, local, states[k])
+                else:  # state created by this step: as if never stepped
+                    v.index_fill_(0, local, 0.0)
         if optimizer is not None and self.param in getattr(optimizer, "state", {}):
             for k, v in optimizer.state[self.param].items():
                 if torch.is_tensor(v) and v.shape == self.param.shape:
-                    v.view(-1)[self.flat_mask] = self.torch_state.get(k, 0.0)
+                    if k in self.torch_state:
+                        v.view(-1).index_copy_(0, self.index, self.torch_state[k])
+                    else:
+                        v.view(-1).index_fill_(0, self.index, 0.0)
 
 
 def _optim_fragment(fragment, optimizer) -> dict[str, torch.Tensor]:

@@ -176,8 +176,9 @@ class ResizableSelfAttention(SelfAttention):
             self.linear_proj.set_kept(None)
             return
         # megatron-core's fused QKV layout per head (MHA): [q (hn), k (hn), v (hn)] rows.
-        self.linear_qkv.set_kept((heads[:, None] * 3 * hn + torch.arange(3 * hn)).reshape(-1))
-        self.linear_proj.set_kept((heads[:, None] * hn + torch.arange(hn)).reshape(-1))
+        offsets = torch.arange(3 * hn, device=heads.device)
+        self.linear_qkv.set_kept((heads[:, None] * 3 * hn + offsets).reshape(-1))  # (kept * 3 hn,)
+        self.linear_proj.set_kept((heads[:, None] * hn + offsets[:hn]).reshape(-1))  # (kept * hn,)
 
     @contextlib.contextmanager
     def _running_heads(self, n: int):

@@ -37,6 +37,9 @@ class MigrationExchange:
         self.blocks, self.dp_rank, self.tp_rank, self.tp_group = blocks, dp_rank, tp_rank, tp_group
         self.moves: dict[BlockKey, dict[tuple[int, int], tuple[int, ...]]] = {}
         self.guests: dict[BlockKey, list[torch.Tensor]] = {}  # per block, laid out like unit_params
+        self.sent: dict[tuple[BlockKey, int, int], torch.Tensor] = {}
+        """(block, owner, helper) -> the units this rank owns and lends, int64 on the parameters' device
+        (made once per plan: a host-to-device copy per step would synchronize the stream)."""
         self.bytes_plan_change = 0
         self.bytes_last_step = 0
 
@@ -59,6 +62,12 @@ class MigrationExchange:
         """Install the plan's migrations: guest copies on helpers, filled with the owners' weights."""
         self.moves = {key: plan.migrations(key, self.dp_rank) for key in self.blocks}
         self.guests = {}
+        self.sent = {
+            (key, owner, helper): torch.tensor(units, device=self.blocks[key].column.weight.device)
+            for key, moves in self.moves.items()
+            for (owner, helper), units in moves.items()
+            if owner == self.tp_rank
+        }
         self.bytes_last_step = 0  # a plan without migrations moves nothing (no stale count)
         for key, block in self.blocks.items():
             hosted = sum(len(u) for (_, helper), u in self.moves[key].items() if helper == self.tp_rank)
@@ -69,7 +78,9 @@ class MigrationExchange:
             for up in block.unit_params:
                 shape = list(up.param.shape)
                 shape[up.dim] = hosted * up.width
-                tensors.append(torch.zeros(shape, dtype=up.param.dtype, requires_grad=True))
+                tensors.append(
+                    torch.zeros(shape, dtype=up.param.dtype, device=up.param.device, requires_grad=True)
+                )
             self.guests[key] = tensors
             block.set_guests(tensors, hosted)
         self.bytes_plan_change = self.push_weights() if self.active else 0
@@ -88,7 +99,7 @@ class MigrationExchange:
             block = self.blocks[key]
             for (owner, helper), units in self.moves[key].items():
                 if self.tp_rank == owner:
-                    index = torch.tensor(units)
+                    index = self.sent[(key, owner, helper)]
                     for up in block.unit_params:
                         payload = up.units(up.param.detach())[index].contiguous()  # (n, ...) unit-major
                         sent.append(payload)
@@ -96,7 +107,7 @@ class MigrationExchange:
             for owner, units, start in self._guest_slices(key):
                 for up, guest in zip(block.unit_params, self.guests[key]):
                     view = up.units(guest)[start : start + len(units)]
-                    buffer = torch.empty(view.shape, dtype=guest.dtype)
+                    buffer = torch.empty(view.shape, dtype=guest.dtype, device=guest.device)
                     receives.append((view, buffer))
                     ops.append(dist.P2POp(dist.irecv, buffer, self._peer(owner), self.tp_group))
         self._run(ops)
@@ -119,9 +130,10 @@ class MigrationExchange:
                     ops.append(dist.P2POp(dist.isend, payload, self._peer(owner), self.tp_group))
             for (owner, helper), units in self.moves[key].items():
                 if self.tp_rank == owner:
-                    index = torch.tensor(units)
+                    index = self.sent[(key, owner, helper)]
                     for up in block.unit_params:
-                        buffer = torch.empty(up.units(up.param)[index].shape, dtype=up.param.dtype)
+                        shape = (len(units), *up.units(up.param).shape[1:])
+                        buffer = torch.empty(shape, dtype=up.param.dtype, device=up.param.device)
                         adds.append((up, index, buffer))
                         ops.append(dist.P2POp(dist.irecv, buffer, self._peer(helper), self.tp_group))
         self._run(ops)

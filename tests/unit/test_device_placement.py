@@ -9,6 +9,8 @@ it creates.
   that mixes it with a CPU tensor, as CUDA raises on CUDA and CPU tensors. Each imputation policy, and
   both sides of a migration (owner and helper), run a whole step: apply, forward, backward, the
   gradient hooks, before_step, after_step, the point-to-point exchange.
+  On `meta` no tensor's values can be read either, so these paths are also shown to read nothing
+  back to the host (on a GPU, a synchronization) per micro-batch or per step.
 - The pretrain scripts' forward_step moves the batch to the process's device.
 
 Run: ``python -m pytest tests/unit/test_device_placement.py -q`` (about 15 s).
@@ -27,8 +29,9 @@ from megatron.core.transformer.enums import AttnMaskType
 from resize_gpt import DROPS, MICRO, SEQ, VOCAB, plan_of
 from strict_device import MixedDevices, StrictDevice
 
-import megahet.models.common as common
 from megahet.config import MegahetConfig, apply_overrides
+from megahet.models import common
+from megahet.models.common import resizable_layer_spec
 from megahet.models.gpt import build_gpt
 from megahet.models.vit import build_vit
 from megahet.tensor_parallel import migration
@@ -91,15 +94,22 @@ def test_fused_softmax_only_where_its_cuda_extension_is_installed(monkeypatch) -
     assert common.transformer_config(_config()).masked_softmax_fusion
 
 
-@pytest.mark.parametrize("kind", ["gpt", "vit"])
+@pytest.mark.parametrize("kind", ["gpt", "gpt-resized", "vit"])
 def test_gpu_config_models_compute_what_the_cpu_config_computes(world1, monkeypatch, kind: str) -> None:
-    cpu, gpu = _build(kind, False, monkeypatch), _build(kind, True, monkeypatch)
+    """Fused kernels on (megatron-core's, run eagerly here) against the CPU path, forward and backward;
+    "gpt-resized" runs megahet's resizable layers under a plan (the fused bias-GELU then takes the kept
+    units' bias)."""
+    spec = resizable_layer_spec() if kind == "gpt-resized" else None
+    cpu, gpu = (_build(kind[:3], cuda, monkeypatch, spec) for cuda in (False, True))
     assert gpu.config.bias_activation_fusion and not cpu.config.bias_activation_fusion
-    if kind == "gpt":
+    if spec is not None:
+        for model in (cpu, gpu):
+            ResizeExecutor(model, dp_rank=0, tp_rank=0, dp_size=1).apply(plan_of(DROPS))
+    if kind == "vit":
+        args = (torch.rand(MICRO, 1, 28, 28, generator=torch.Generator().manual_seed(1)),)
+    else:
         tokens = torch.randint(0, VOCAB, (MICRO, SEQ), generator=torch.Generator().manual_seed(1))
         args = (tokens, torch.arange(SEQ).expand(MICRO, SEQ), None)
-    else:
-        args = (torch.rand(MICRO, 1, 28, 28, generator=torch.Generator().manual_seed(1)),)
     with torch._dynamo.config.patch(disable=True):  # megatron-core's fused kernels, run eagerly on CPU
         outputs = [model(*args) for model in (cpu, gpu)]
         torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
@@ -147,8 +157,6 @@ def meta_device(world1, monkeypatch) -> _P2PRecorder:
 
 
 def _meta_gpt(monkeypatch) -> torch.nn.Module:
-    from megahet.models.common import resizable_layer_spec
-
     # no_mask: the causal mask is built by the CPU shim (megatron-core's own builds it on the GPU)
     with monkeypatch.context() as mp:
         return _build("gpt", False, mp, resizable_layer_spec(AttnMaskType.no_mask)).to("meta")
@@ -210,7 +218,7 @@ def _script(name: str):
 
 @pytest.mark.parametrize("name", ["pretrain_gpt", "pretrain_vit"])
 def test_forward_step_moves_the_batch_to_the_device(monkeypatch, name: str) -> None:
-    import megahet.data.sampling as sampling
+    from megahet.data import sampling
 
     monkeypatch.setattr(sampling, "process_device", lambda: torch.device("meta"))
     if name == "pretrain_gpt":
@@ -224,6 +232,6 @@ def test_forward_step_moves_the_batch_to_the_device(monkeypatch, name: str) -> N
         seen.extend(t for t in (*args, *kwargs.values()) if torch.is_tensor(t))
         return torch.zeros(MICRO, SEQ, device="meta") if name == "pretrain_gpt" else torch.zeros(MICRO, 10)
 
-    output, loss_func = _script(name).forward_step(iter([batch]), model)
+    _, loss_func = _script(name).forward_step(iter([batch]), model)
     assert seen and {t.device.type for t in seen} == {"meta"}
     assert {t.device.type for t in loss_func.args} == {"meta"}  # the labels / loss mask the loss meets

@@ -21,12 +21,19 @@ fraction of its own units a helper computes, minus the guests it computes; < 0 f
 `balance_eff`, the compute efficiency of the interval: the time the executed work would take split in
 proportion to the measured speeds, over the slowest rank's compute time (1 = perfectly balanced).
 `balance.trace` writes all of it per step and per rank to JSONL, drawn as a PNG at the end.
+
+Checkpoints carry the balancer's state (`state_dict`): the speed samples of every estimator, the
+targets, the change count, the efficiency window and whether a plan is due, so a resumed run plans
+exactly as the uninterrupted one would from the same measurements; its trace continues the saved
+run's (rows after the checkpoint's step, from a run that was killed later, are dropped).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -81,10 +88,12 @@ class BalanceController:
         self._pending = None
         """(all_gather handle, rows, step, step seconds) of the last step, until `_collect`."""
         self._due = False
+        self.step = -1
+        self.trace_file = None
+        self._trace_from = 0
+        """The first step the trace writes; earlier rows are kept (a resumed run continues the file)."""
         if cfg.balance.trace and layout.tp_rank == 0 and layout.dp_rank == 0:
             self.trace_file = trace_path(cfg.balance.trace, layout.pp_rank, layout.pp_size)
-            self.trace_file.parent.mkdir(parents=True, exist_ok=True)
-            self._trace = self.trace_file.open("w")
 
     def before_forward_backward(self, step: int) -> None:
         """Fold the last step's gathered measurements in, plan if due, then start measuring this step.
@@ -130,7 +139,7 @@ class BalanceController:
             estimator.update(work, busy)
         efficiency = [compute_efficiency(w, b) for w, b in zip(works, busys)]
         self._efficiency.append(efficiency[self.layout.dp_rank])
-        if self._trace is not None:
+        if self.trace_file is not None:
             self._write_trace(step, step_s, works, busys, efficiency, computes, waits)
         self._due = (step + 1) % self.cfg.interval == 0 and all(e.ready for e in self.estimators)
 
@@ -144,13 +153,41 @@ class BalanceController:
         if new != self.targets:
             self.targets = new
             self.changes += 1
-            self.resize.gammas = {
-                (dp, tp): g for dp, t in enumerate(new) for tp, g in t.gamma.items() if g > 0
-            }
-            self.resize.moves = {
-                (dp, tp): helpers for dp, t in enumerate(new) for tp, helpers in t.moves.items()
-            }
+            self._hand_over(new)
             self.resize.request_replan()
+
+    def _hand_over(self, targets: list[WorkTarget]) -> None:
+        """The targets, as the ResizeController's per-rank gammas and moves (its next plan's input)."""
+        self.resize.gammas = {
+            (dp, tp): g for dp, t in enumerate(targets) for tp, g in t.gamma.items() if g > 0
+        }
+        self.resize.moves = {
+            (dp, tp): helpers for dp, t in enumerate(targets) for tp, helpers in t.moves.items()
+        }
+
+    def state_dict(self) -> dict:
+        """What the next decisions depend on (the last step's gather folded in first)."""
+        self._collect()
+        return {
+            "step": self.step,
+            "samples": [[list(s) for s in e.samples] for e in self.estimators],
+            "targets": [dataclasses.asdict(t) for t in self.targets],
+            "changes": self.changes,
+            "efficiency": list(self._efficiency),
+            "due": self._due,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore it; the ResizeController restores the executed plan itself."""
+        for estimator, saved in zip(self.estimators, state["samples"], strict=True):
+            for samples, values in zip(estimator.samples, saved, strict=True):
+                samples.clear()
+                samples.extend(values)
+        self.targets = [WorkTarget(**t) for t in state["targets"]]
+        self._hand_over(self.targets)
+        self.changes, self._efficiency, self._due = state["changes"], list(state["efficiency"]), state["due"]
+        self.step = state["step"]
+        self._trace_from = self.step + 1
 
     def _speeds(self, dp: int) -> list[float] | None:
         estimator = self.estimators[dp]
@@ -158,6 +195,19 @@ class BalanceController:
 
     def _fractions(self, dp: int) -> dict[str, list[float]]:
         return self.resize.executor.plan.unit_fractions(self.resize.units, dp, self.layout.tp_size)
+
+    def _open_trace(self):
+        """The trace file, opened at its first row: new, or on resume the saved run's rows continued."""
+        self.trace_file.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if self._trace_from > 0 and self.trace_file.is_file():
+            lines = self.trace_file.read_text().splitlines()
+            kept = [line for line in lines if line.strip() and json.loads(line)["step"] < self._trace_from]
+        tmp = self.trace_file.with_name(self.trace_file.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.trace_file)  # the saved rows survive a crash at any moment
+        self._trace = self.trace_file.open("a")
+        return self._trace
 
     def _write_trace(self, step, step_s, works, busys, efficiency, computes, waits) -> None:
         """One JSON line per step: the executed plan and the measurements, indexed [dp][tp]."""
@@ -174,8 +224,9 @@ class BalanceController:
             "speed": [self._speeds(dp) for dp in dps],
             **{k: [f[k] for f in fractions] for k in ("dropped", "sent", "hosted")},
         }
-        self._trace.write(json.dumps(row) + "\n")
-        self._trace.flush()
+        trace = self._trace or self._open_trace()
+        trace.write(json.dumps(row) + "\n")
+        trace.flush()
 
     def metrics(self) -> dict[str, float]:
         self._collect()
@@ -208,7 +259,7 @@ class BalanceController:
         if self._trace is None:
             return
         self._trace.close()
-        self._trace = None
+        self._trace, trace_file, self.trace_file = None, self.trace_file, None  # closed: no more rows
         from megahet.balance.plot import plot_trace
 
-        plot_trace(self.trace_file, self.trace_file.with_suffix(".png"))
+        plot_trace(trace_file, trace_file.with_suffix(".png"))

@@ -47,6 +47,8 @@ class Resume:
     path: Path
     """The checkpoint folder (DIR/<tag>)."""
     meta: dict
+    note: str | None = None
+    """Why this checkpoint rather than the one `latest` names (a missing or stale `latest`), to print."""
 
     @property
     def iteration(self) -> int:
@@ -73,8 +75,11 @@ def rank_file(rank: int) -> str:
 def find_resume(cfg: MegahetConfig) -> Resume | None:
     """The checkpoint train.load names (its `latest`), checked for completeness; None to start fresh.
 
-    A missing folder, or one with no checkpoint, is a ConfigError, except when train.load is also
-    train.save: then it means "start fresh" (one command line for the first run and every restart).
+    Without a `latest`, or when it names an incomplete or absent folder, the newest complete checkpoint
+    is resumed, and `Resume.note` says so (progress is never dropped silently). A missing folder, or one
+    with no complete checkpoint, is a ConfigError, except when train.load is also train.save and the
+    folder holds no checkpoint at all: then it means "start fresh" (one command line for the first run
+    and every restart).
     """
     load = cfg.train.load
     if not load:
@@ -82,20 +87,34 @@ def find_resume(cfg: MegahetConfig) -> Resume | None:
     root = Path(load).expanduser()
     fresh_ok = cfg.train.save is not None and Path(cfg.train.save).expanduser().resolve() == root.resolve()
     latest = root / LATEST
-    if not latest.is_file():
-        if fresh_ok:
-            return None
+    named = root / latest.read_text().strip() if latest.is_file() else None
+    complete = _checkpoints(root) if root.is_dir() else []
+    newest = complete[-1] if complete else None
+    note = None
+    if named is not None and (named / META).is_file():
+        path = named
+        if newest is not None and _iteration(newest) > (_iteration(named) or 0):
+            note = (
+                f"{latest} names {named.name}, and the newer complete checkpoint {newest.name} exists: "
+                f"resuming from {named.name} as {LATEST} says (write {newest.name} into it to resume from there)"
+            )
+    elif newest is not None:  # no `latest`, or a stale one: the newest complete checkpoint, said aloud
+        why = f"{latest} is missing" if named is None else f"{latest} names {named.name}, which is incomplete"
+        path, note = newest, f"{why}: resuming from the newest complete checkpoint {newest}"
+    elif named is not None:
+        raise ConfigError(
+            f"train.load: checkpoint {named} (named by {latest}) is incomplete: {named / META} missing, and "
+            f"{root} holds no complete checkpoint: start fresh without --train.load"
+        )
+    elif fresh_ok:
+        return None
+    else:
         what = "not found" if not root.is_dir() else f"has no checkpoint ({latest} missing)"
         raise ConfigError(
             f"train.load: checkpoint directory {load} {what}: point it at a folder written by --train.save "
             f"(or set train.save to the same folder to start fresh when it has none)"
         )
-    path = root / latest.read_text().strip()
     meta_file = path / META
-    if not meta_file.is_file():
-        raise ConfigError(
-            f"train.load: checkpoint {path} (named by {latest}) is incomplete: {meta_file} missing"
-        )
     try:
         meta = json.loads(meta_file.read_text())
         files = meta["files"]
@@ -112,7 +131,7 @@ def find_resume(cfg: MegahetConfig) -> Resume | None:
                 f"train.load: checkpoint file {file} is truncated or corrupt ({file.stat().st_size} bytes, "
                 f"{size} were saved): resume from another checkpoint"
             )
-    return Resume(path, meta)
+    return Resume(path, meta, note)
 
 
 def layout_of(cfg: MegahetConfig, dp: int) -> dict[str, int]:
@@ -230,10 +249,19 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _iteration(path: Path) -> int | None:
+    """The step a checkpoint folder's megahet.json records; None if it is absent or unreadable."""
+    try:
+        return int(json.loads((path / META).read_text())["iteration"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints in root, oldest first (by iteration, then by save order)."""
-    found = [p for p in root.glob("iter_*") if (p / META).is_file()]
-    return sorted(found, key=lambda p: (json.loads((p / META).read_text())["iteration"], p.stat().st_mtime))
+    """Complete checkpoints in root (a readable megahet.json), oldest first (by iteration, then by save
+    order)."""
+    found = [(step, p) for p in root.glob("iter_*") if (step := _iteration(p)) is not None]
+    return [p for _, p in sorted(found, key=lambda item: (item[0], item[1].stat().st_mtime))]
 
 
 def _publish(tmp: Path, meta: dict) -> Path:

@@ -273,6 +273,8 @@ def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
     resume = checkpoint.find_resume(cfg)
     if resume is not None:
         checkpoint.check_compatible(resume, cfg, dp_size)
+        if resume.note and int(os.environ.get("RANK", "0")) == 0:  # once, before any rank starts work
+            print(f"megahet: {resume.note}", flush=True)
     layout = initialize_parallel(
         cfg.parallel.tp, cfg.parallel.pp, cfg.train.seed, cfg.parallel.distributed_timeout_minutes
     )

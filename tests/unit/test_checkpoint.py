@@ -215,6 +215,37 @@ def test_incomplete_or_corrupt_metadata_is_named(tmp_path: Path) -> None:
     _one_line(err, str(path), "incomplete")
 
 
+def test_missing_or_stale_latest_resumes_the_newest_complete_checkpoint(tmp_path: Path) -> None:
+    """Never a silent restart from step 1: without `latest`, or with one naming an incomplete folder,
+    the newest complete checkpoint is resumed and the note says why; one newer than `latest` is named."""
+    root = tmp_path / "ck"
+    cfg = _cfg(tmp_path, **{"train.load": str(root), "train.save": str(root)})  # the restart command line
+    _fake_checkpoint(root, 2)
+    newest = _fake_checkpoint(root, 6)
+    (root / checkpoint.LATEST).unlink()
+    resume = checkpoint.find_resume(cfg)
+    assert (resume.path, resume.iteration, checkpoint.start_sample(cfg)) == (newest, 6, 24)
+    assert "latest is missing" in resume.note and str(newest) in resume.note
+    (root / "iter_0000008").mkdir()  # a crash before its megahet.json: incomplete
+    (root / checkpoint.LATEST).write_text("iter_0000008")
+    resume = checkpoint.find_resume(cfg)
+    assert resume.path == newest and "iter_0000008, which is incomplete" in resume.note
+    (root / checkpoint.LATEST).write_text("iter_0000002")  # a hand-made rollback is obeyed, but said
+    resume = checkpoint.find_resume(cfg)
+    assert resume.iteration == 2 and "newer complete checkpoint iter_0000006" in resume.note
+    (root / checkpoint.LATEST).write_text("iter_0000006")
+    assert checkpoint.find_resume(cfg).note is None
+
+
+def test_latest_naming_an_incomplete_checkpoint_with_no_other_is_an_error(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    (root / "iter_0000004").mkdir(parents=True)
+    (root / checkpoint.LATEST).write_text("iter_0000004")
+    with pytest.raises(ConfigError) as err:  # even with train.save = train.load: not a fresh start
+        checkpoint.find_resume(_cfg(tmp_path, **{"train.load": str(root), "train.save": str(root)}))
+    _one_line(err, "iter_0000004", "incomplete", "no complete checkpoint")
+
+
 def test_other_parallel_layout_is_an_error(tmp_path: Path) -> None:
     _fake_checkpoint(tmp_path / "ck")
     cfg = _cfg(tmp_path, **{"train.load": str(tmp_path / "ck"), "parallel.tp": 2})

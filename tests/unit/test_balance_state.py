@@ -1,0 +1,143 @@
+"""The balancer's checkpointed state: a BalanceController saved at any step and restored into a new one
+(through torch.save / torch.load, as a checkpoint does) makes the same decisions as the uninterrupted
+controller from the same measurements: targets, plan changes, the gammas and moves handed to the
+ResizeController, the efficiency window; and its trace continues the saved run's, without the rows a
+killed run wrote after the checkpoint. One that starts fresh instead (what resuming did before) does
+not, which shows the comparison can fail.
+
+The controller runs without a process group: each step's gathered rows are handed to it as the
+asynchronous all-gather would leave them, from a scripted profile (TP rank 1 at a quarter of the speed
+for steps 6-17, at 0.6 from step 24).
+
+Run: ``python -m pytest tests/unit/test_balance_state.py -q`` (about 3 s).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import types
+
+import pytest
+import torch
+
+from megahet.balancing import BalanceController
+from megahet.config import MegahetConfig, apply_overrides
+from megahet.parallel import ParallelLayout
+from megahet.tensor_parallel.plan import ResizePlan
+from megahet.timing import StepTimes
+
+STEPS, TP = 30, 2
+LAYOUT = ParallelLayout(
+    rank=0, world_size=TP, tp_rank=0, tp_size=TP, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1
+)
+
+
+def _speed(step: int) -> float:
+    return 0.25 if 6 <= step < 18 else 0.6 if step >= 24 else 1.0
+
+
+class _FakeResize:
+    """What the balancer reads from and hands to the ResizeController."""
+
+    def __init__(self):
+        self.gammas, self.moves, self.replans = {}, {}, 0
+        self.units = {("mlp", 1): 8, ("attn", 1): 4}
+        self.executor = types.SimpleNamespace(executed_flops=lambda: 0, plan=ResizePlan())
+
+    def request_replan(self) -> None:
+        self.replans += 1
+
+
+class _Gathered:
+    def wait(self) -> None:
+        pass
+
+
+def _controller(mode: str, trace=None) -> BalanceController:
+    overrides = {"balance.mode": mode, "balance.window": 3, "balance.interval": 2, "balance.trace": trace}
+    cfg = apply_overrides(MegahetConfig(), overrides)
+    return BalanceController(cfg, LAYOUT, _FakeResize(), lambda: StepTimes(0.0, 0.0, 0.0))
+
+
+def _step(controller: BalanceController, step: int) -> dict:
+    """One step: plan from what was gathered, then this step's rows (the plan's work at the profile's
+    speeds, so work / time is the speed); returns what the controller decided."""
+    controller.before_forward_backward(step)
+    work = controller.targets[0].work(TP)
+    speeds = [1.0, _speed(step)]
+    rows = [
+        torch.tensor(
+            [0, tp, 1e9 * work[tp], work[tp] / speeds[tp], work[tp] / speeds[tp], 0.01], dtype=torch.float64
+        )
+        for tp in range(TP)
+    ]
+    controller._pending = (_Gathered(), rows, step, 0.5)
+    return {
+        "targets": list(controller.targets),
+        "changes": controller.changes,
+        "gammas": dict(controller.resize.gammas),
+        "moves": dict(controller.resize.moves),
+        "replans": controller.resize.replans,
+    }
+
+
+def _checkpoint(controller: BalanceController) -> dict:
+    buffer = io.BytesIO()
+    torch.save(controller.state_dict(), buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("mode", ["resize", "migrate", "semi"])
+@pytest.mark.parametrize("saved_at", [4, 7, 11, 20, 25])
+def test_a_resumed_balancer_decides_as_the_uninterrupted_one(mode: str, saved_at: int) -> None:
+    whole = _controller(mode)
+    expected = [_step(whole, step) for step in range(STEPS)]
+    assert expected[-1]["changes"] >= 3  # the profile makes it plan, return to even and plan again
+
+    killed = _controller(mode)
+    for step in range(saved_at + 1):
+        _step(killed, step)
+    state = _checkpoint(killed)
+    resumed, fresh = _controller(mode), _controller(mode)
+    resumed.load_state_dict(state)
+    assert resumed.resize.gammas == expected[saved_at]["gammas"]  # handed over without a step
+    got = [_step(resumed, step) for step in range(saved_at + 1, STEPS)]
+    for step, decision in zip(range(saved_at + 1, STEPS), got):
+        want = expected[step]
+        assert decision["targets"] == want["targets"], step
+        assert decision["changes"] == want["changes"], step
+        assert (decision["gammas"], decision["moves"]) == (want["gammas"], want["moves"]), step
+    assert resumed.report()["balance_eff"] == pytest.approx(whole.report()["balance_eff"])
+    if expected[saved_at]["changes"]:  # once it has planned, starting over is visibly different
+        fresh_run = [_step(fresh, step) for step in range(saved_at + 1, STEPS)]
+        assert [(d["targets"], d["changes"]) for d in fresh_run] != [
+            (d["targets"], d["changes"]) for d in got
+        ]
+
+
+def test_the_trace_continues_the_saved_runs(tmp_path) -> None:
+    whole_trace, trace = tmp_path / "whole.jsonl", tmp_path / "trace.jsonl"
+    whole = _controller("semi", str(whole_trace))
+    for step in range(STEPS):
+        _step(whole, step)
+    whole.close()
+
+    killed = _controller("semi", str(trace))
+    for step in range(15):  # checkpoint after step 10, killed after step 14
+        _step(killed, step)
+        if step == 10:
+            state = _checkpoint(killed)
+    killed._collect()
+    killed._trace.close()
+    resumed = _controller("semi", str(trace))
+    resumed.load_state_dict(state)
+    assert len(trace.read_text().splitlines()) == 15  # nothing is touched before the first new row
+    for step in range(11, STEPS):
+        _step(resumed, step)
+    resumed.close()
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert rows == [json.loads(line) for line in whole_trace.read_text().splitlines()]
+    assert trace.with_suffix(".png").is_file()

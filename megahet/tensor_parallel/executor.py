@@ -46,7 +46,7 @@ class _BlockState:
     copy or synchronization per micro-batch)."""
 
     computed: np.ndarray  # (units,) bool: this rank computes the unit
-    counts: np.ndarray  # (units,) int: DP replicas that compute the unit
+    imputed_units: np.ndarray  # (units no replica computes,) int64: `imputed` on the host
     kept: torch.Tensor  # (computed units,) int64 on the device: the units this rank computes
     imputed: torch.Tensor  # (units no replica computes,) int64 on the device
     scale: torch.Tensor  # (units,) float32 on the device: D / k_u where 0 < k_u, else 1
@@ -54,11 +54,12 @@ class _BlockState:
     @classmethod
     def of(cls, computed: np.ndarray, counts: np.ndarray, dp_size: int, device: torch.device) -> _BlockState:
         scale = np.where(counts > 0, dp_size / np.maximum(counts, 1), 1.0)
+        imputed = np.flatnonzero(counts == 0)
         return cls(
             computed,
-            counts,
+            imputed,
             torch.from_numpy(np.flatnonzero(computed)).to(device),
-            torch.from_numpy(np.flatnonzero(counts == 0)).to(device),
+            torch.from_numpy(imputed).to(device),
             torch.from_numpy(scale).float().to(device),
         )
 
@@ -225,10 +226,9 @@ class ResizeExecutor:
             state = self._state[key]
             if state is None or not len(state.imputed):
                 continue
-            imputed = np.flatnonzero(state.counts == 0)
             for up in block.unit_params:
                 if up not in self._frozen_index:  # once per plan: a host-to-device copy syncs the stream
-                    self._frozen_index[up] = _FrozenSlice.indexes(up.param, up.offsets(imputed))
+                    self._frozen_index[up] = _FrozenSlice.indexes(up.param, up.offsets(state.imputed_units))
                 self._frozen.append(_FrozenSlice.capture(up.param, *self._frozen_index[up], optimizer))
 
     def after_step(self, optimizer=None) -> None:

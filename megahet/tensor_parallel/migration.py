@@ -37,7 +37,7 @@ class MigrationExchange:
         self.blocks, self.dp_rank, self.tp_rank, self.tp_group = blocks, dp_rank, tp_rank, tp_group
         self.moves: dict[BlockKey, dict[tuple[int, int], tuple[int, ...]]] = {}
         self.guests: dict[BlockKey, list[torch.Tensor]] = {}  # per block, laid out like unit_params
-        self.sent: dict[tuple[BlockKey, int, int], torch.Tensor] = {}
+        self.lent: dict[tuple[BlockKey, int, int], torch.Tensor] = {}
         """(block, owner, helper) -> the units this rank owns and lends, int64 on the parameters' device
         (made once per plan: a host-to-device copy per step would synchronize the stream)."""
         self.bytes_plan_change = 0
@@ -62,7 +62,7 @@ class MigrationExchange:
         """Install the plan's migrations: guest copies on helpers, filled with the owners' weights."""
         self.moves = {key: plan.migrations(key, self.dp_rank) for key in self.blocks}
         self.guests = {}
-        self.sent = {
+        self.lent = {
             (key, owner, helper): torch.tensor(units, device=self.blocks[key].column.weight.device)
             for key, moves in self.moves.items()
             for (owner, helper), units in moves.items()
@@ -99,7 +99,7 @@ class MigrationExchange:
             block = self.blocks[key]
             for (owner, helper), units in self.moves[key].items():
                 if self.tp_rank == owner:
-                    index = self.sent[(key, owner, helper)]
+                    index = self.lent[(key, owner, helper)]
                     for up in block.unit_params:
                         payload = up.units(up.param.detach())[index].contiguous()  # (n, ...) unit-major
                         sent.append(payload)
@@ -130,7 +130,7 @@ class MigrationExchange:
                     ops.append(dist.P2POp(dist.isend, payload, self._peer(owner), self.tp_group))
             for (owner, helper), units in self.moves[key].items():
                 if self.tp_rank == owner:
-                    index = self.sent[(key, owner, helper)]
+                    index = self.lent[(key, owner, helper)]
                     for up in block.unit_params:
                         shape = (len(units), *up.units(up.param).shape[1:])
                         buffer = torch.empty(shape, dtype=up.param.dtype, device=up.param.device)

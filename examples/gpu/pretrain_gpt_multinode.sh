@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Several nodes through the DeepSpeed launcher and a hostfile (passwordless ssh between nodes, the
-# repo and data at the same path on each): 2 nodes x 8 GPUs = TP=2 x PP=2 x DP=4.
+# Several nodes through the DeepSpeed launcher and a hostfile (pdsh on this node, passwordless ssh from
+# it to every node, the repo, venv and data at the same path on each; environment variables other than
+# NCCL*/PYTHON*/UCX* reach the other nodes only through a .deepspeed_env file, see docs/launching.md):
+# 2 nodes x 8 GPUs = TP=2 x PP=2 x DP=4.
 #   bash examples/gpu/pretrain_gpt_multinode.sh [--section.key value ...]
 # With torchrun instead, run on every node:
 #   torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HEAD_NODE:29500 \

@@ -5,17 +5,25 @@
 Workers are scripts in this folder, started with `python -m torch.distributed.run` on a free port
 (retried if another job grabs it first) with OMP_NUM_THREADS=1, DS_ACCELERATOR=cpu and
 WANDB_MODE=disabled; they write their results into a folder given on their command line.
+Other launchers, and jobs of several launchers (one per emulated host), go through `launch()`:
+
+    no_ssh = lambda port, node: deepspeed_cmd(hostfile, "127.0.0.1", port, "--no_ssh", f"--node_rank={node}")
+    outs = launch(lambda port: [no_ssh(port, 0), no_ssh(port, 1)], "../../pretrain_gpt.py", 2, args, cwd=tmp)
 `compare()` asserts fp32 closeness and records the observed differences, which the terminal summary
 (conftest.py) prints.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -93,16 +101,48 @@ def _kill_launch(proc: subprocess.Popen) -> None:
             pass
 
 
-def start_torchrun(worker: str, nproc: int, args: list[str], *, cwd: Path) -> tuple[subprocess.Popen, list]:
-    """Start HERE/worker under torchrun with nproc ranks on a free port; return (process, command)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WANDB_MODE="disabled")
+def launch_env(**extra: str) -> dict[str, str]:
+    """os.environ with what every launch sets (one OpenMP thread per rank, DeepSpeed's CPU accelerator,
+    wandb off, the repo importable), then `extra`."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WANDB_MODE="disabled", **extra)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def torchrun_cmd(nproc: int, port: int) -> list[str]:
+    """torchrun with nproc ranks on this host (static rendezvous on 127.0.0.1:port), up to the script."""
     launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
-    cmd = [*launcher, "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(HERE / worker), *args]
+    return [*launcher, "--master_addr=127.0.0.1", f"--master_port={port}"]
+
+
+def deepspeed_cmd(hostfile: Path, master_addr: str, port: int, *flags: str) -> list[str]:
+    """The venv's `deepspeed` launcher (deepspeed.launcher.runner) with a hostfile and rank 0's address
+    and port, up to the script; flags e.g. "--no_ssh", "--node_rank=1"."""
+    script = Path(sys.executable).parent / "deepspeed"
+    runner = [str(script)] if script.is_file() else [sys.executable, "-m", "deepspeed.launcher.runner"]
+    return [
+        *runner,
+        f"--hostfile={hostfile}",
+        f"--master_addr={master_addr}",
+        f"--master_port={port}",
+        *flags,
+    ]
+
+
+def start_launch(
+    launcher: list[str], worker: str, args: list[str], *, cwd: Path, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, list]:
+    """Start `launcher HERE/worker args` (env: launch_env()); return (process, command)."""
+    cmd = [*launcher, str(HERE / worker), *args]
     proc = subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd, cwd=cwd, env=env or launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     return proc, cmd
+
+
+def start_torchrun(worker: str, nproc: int, args: list[str], *, cwd: Path) -> tuple[subprocess.Popen, list]:
+    """Start HERE/worker under torchrun with nproc ranks on a free port; return (process, command)."""
+    return start_launch(torchrun_cmd(nproc, free_port()), worker, args, cwd=cwd)
 
 
 def finish(proc: subprocess.Popen, cmd: list, worker: str, nproc: int, timeout: float) -> str:
@@ -125,17 +165,92 @@ def finish(proc: subprocess.Popen, cmd: list, worker: str, nproc: int, timeout: 
     return output
 
 
-def torchrun(worker: str, nproc: int, args: list[str], *, cwd: Path, timeout: float = 300) -> str:
-    """Run HERE/worker under torchrun with nproc ranks; return its output or raise LaunchError."""
+def finish_all(
+    started: list[tuple[subprocess.Popen, list]], worker: str, nproc: int, timeout: float, grace: float = 30
+) -> list[str]:
+    """Wait for the launchers of one job (one per host); return their outputs, or raise LaunchError.
+
+    When one fails, the others get `grace` seconds to fail too (their ranks see the peers go) before
+    they are killed; at the time-out, all are killed. The error carries every failed launch's output.
+    """
+    if len(started) == 1:
+        return [finish(*started[0], worker, nproc, timeout)]
+    outputs = [""] * len(started)
+
+    def drain(i: int, proc: subprocess.Popen) -> None:  # read every pipe at once: none may fill up
+        outputs[i] = proc.communicate()[0]
+
+    threads = [threading.Thread(target=drain, args=(i, p), daemon=True) for i, (p, _) in enumerate(started)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p, _ in started) and time.monotonic() < deadline:
+        if any(p.returncode not in (None, 0) for p, _ in started):
+            deadline = min(deadline, time.monotonic() + grace)
+        time.sleep(0.2)
+    killed = [i for i, (p, _) in enumerate(started) if p.poll() is None]
+    peer_failed = any(p.returncode not in (None, 0) for p, _ in started)
+    why = "killed: still running after a peer failed" if peer_failed else f"timed out after {timeout:.0f} s"
+    for i in killed:
+        _kill_launch(started[i][0])
+    for thread in threads:
+        thread.join(timeout=30)
+    failed = [
+        f"launcher {i + 1}/{len(started)} "
+        + (why if i in killed else f"exited with {p.returncode}")
+        + f":\n{' '.join(cmd)}\n{_excerpt(outputs[i], limit=6000 // len(started))}"
+        for i, (p, cmd) in enumerate(started)
+        if i in killed or p.returncode != 0
+    ]
+    if failed:
+        raise LaunchError(f"{worker} with {nproc} ranks failed:\n" + "\n".join(failed))
+    return outputs
+
+
+def launch(
+    launchers: Callable[[int], list[list[str]]],
+    worker: str,
+    nproc: int,
+    args: list[str],
+    *,
+    cwd: Path,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+) -> list[str]:
+    """Run one job of nproc ranks: launchers(port) gives each launcher's command up to the script (one
+    per host, all started at once, sharing a free port); return their outputs or raise LaunchError.
+    Started again on another port when the port was taken between probe and bind."""
     for attempt in range(3):
-        proc, cmd = start_torchrun(worker, nproc, args, cwd=cwd)
+        started = [start_launch(cmd, worker, args, cwd=cwd, env=env) for cmd in launchers(free_port())]
         try:
-            return finish(proc, cmd, worker, nproc, timeout)
+            return finish_all(started, worker, nproc, timeout)
         except LaunchError as err:
-            if "EADDRINUSE" in str(err) and attempt < 2:  # the port was taken between probe and bind
+            if "EADDRINUSE" in str(err) and attempt < 2:
                 continue
             raise
     raise AssertionError("unreachable")
+
+
+def torchrun(worker: str, nproc: int, args: list[str], *, cwd: Path, timeout: float = 300) -> str:
+    """Run HERE/worker under torchrun with nproc ranks; return its output or raise LaunchError."""
+    return launch(lambda port: [torchrun_cmd(nproc, port)], worker, nproc, args, cwd=cwd, timeout=timeout)[0]
+
+
+def metrics_curves(metrics: Path, steps: int) -> dict[str, torch.Tensor]:
+    """From pretrain's --logging.metrics_file (log_interval 1, one evaluation): the per-step loss and
+    gradient norm, and the validation loss, as float64 tensors."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    train = [r for r in rows if "loss" in r]
+    logged = [r["step"] for r in train]
+    assert logged == list(range(1, steps + 1)), f"{metrics.name}: logged steps {logged}, not 1..{steps}"
+    curves = {
+        key: torch.tensor([r[key] for r in train], dtype=torch.float64) for key in ("loss", "grad_norm")
+    }
+    curves["val_loss"] = torch.tensor([r["val_loss"] for r in rows if "val_loss" in r], dtype=torch.float64)
+    assert len(curves["val_loss"]) == 1, (
+        f"{metrics.name}: {len(curves['val_loss'])} validation records, not 1"
+    )
+    return curves
 
 
 def with_tied_copy(reference: dict[str, torch.Tensor], names) -> dict[str, torch.Tensor]:

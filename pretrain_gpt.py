@@ -66,6 +66,16 @@ def preflight(cfg: MegahetConfig) -> None:
         )
 
 
+def vocab_size(cfg: MegahetConfig) -> int:
+    """The tokenizer's vocabulary: the model file's if it exists, else the one rank 0 will train."""
+    _, model = data_paths(cfg)
+    return (
+        SentencePieceTokenizer(model).vocab_size
+        if Path(model).expanduser().is_file()
+        else cfg.data.vocab_size
+    )
+
+
 def prepare(cfg: MegahetConfig) -> None:
     if not cfg.data.data_path:
         ensure_gpt_data(prepared_data_dir(cfg), cfg.data.vocab_size)
@@ -112,6 +122,7 @@ def build(cfg: MegahetConfig, layout: ParallelLayout) -> Task:
     return Task(
         model=build_gpt(cfg, tokenizer.vocab_size),
         vocab_size=tokenizer.vocab_size,
+        tokenizer_model=tokenizer_model,
         seq_length=cfg.model.seq_length,
         train_data=micro_batches(
             train_set, global_batch_size=t.global_batch_size, start_sample=start_sample(cfg), **sampling
@@ -125,7 +136,7 @@ def build(cfg: MegahetConfig, layout: ParallelLayout) -> Task:
     )
 
 
-SPEC = TaskSpec(name="gpt", build=build, preflight=preflight, prepare=prepare)
+SPEC = TaskSpec(name="gpt", build=build, preflight=preflight, prepare=prepare, vocab_size=vocab_size)
 
 if __name__ == "__main__":
     run_cli(SPEC, sys.argv[1:])

@@ -6,7 +6,8 @@
 A checkpoint is the folder DIR/iter_NNNNNNN: DeepSpeed's files (model states per TP x PP rank with
 megahet's client state, ZeRO optimizer shards per rank, LR schedule), one megahet_rank_RRRRR.pt per
 rank (python / numpy / torch / CUDA / megatron-core tracker RNG states, and the step hooks' state,
-e.g. the ResizeController), and megahet.json (iteration, consumed samples, layout, every file's size).
+e.g. the ResizeController), the task's tokenizer model as tokenizer.model (GPT: the checkpoint is
+self-contained for export-hf), and megahet.json (iteration, consumed samples, layout, every file's size).
 Every rank writes into DIR/tmp_iter_NNNNNNN; after a barrier rank 0 writes megahet.json, renames the
 folder into place, then points DIR/latest at it (tmp file + os.replace), and only then applies
 train.keep_last. A crash at any moment leaves the previous checkpoint loadable.
@@ -134,6 +135,41 @@ def find_resume(cfg: MegahetConfig) -> Resume | None:
     return Resume(path, meta, note)
 
 
+MODEL_SETTINGS_FREE = ("hidden_dropout", "attention_dropout", "init_method_std")
+"""Model settings a resumed run may change: the rest shape the weights."""
+
+
+def check_model(resume: Resume, cfg: MegahetConfig, vocab_size: int | None) -> None:
+    """The checkpoint must hold this run's model: the same shaping model settings and vocabulary
+    (`vocab_size`: this run's tokenizer's; None for a task without one, e.g. ViT)."""
+    saved, now = resume.meta.get("model"), dataclasses.asdict(cfg.model)
+    if saved is None:  # saved before megahet recorded its model: DeepSpeed's strict load checks shapes
+        return
+    for key, value in now.items():
+        if key in saved and key not in MODEL_SETTINGS_FREE and saved[key] != value:
+            raise ConfigError(
+                f"train.load: checkpoint {resume.path} holds another model (model.{key} {saved[key]}, this run "
+                f"has {value}): resume with the run's own --model settings, or start fresh without --train.load"
+            )
+    saved_vocab = resume.meta.get("vocab_size")
+    if (saved_vocab is None) != (vocab_size is None):
+        kind = "a model with a vocabulary (GPT)" if saved_vocab is not None else "a model without one (ViT)"
+        raise ConfigError(
+            f"train.load: checkpoint {resume.path} holds {kind}, not this task's: load it with its own script"
+        )
+    if saved_vocab != vocab_size:
+        raise ConfigError(
+            f"train.load: checkpoint {resume.path} was trained with a vocabulary of {saved_vocab} tokens, this "
+            f"run's tokenizer has {vocab_size}: resume with the run's tokenizer (data.tokenizer_model / "
+            f"data.vocab_size)"
+        )
+
+
+def per_parameter(resume: Resume) -> bool:
+    """A resharded checkpoint: its optimizer state is per parameter (loads at any DP and ZeRO stage)."""
+    return resume.meta.get("optimizer") == "per_parameter"
+
+
 def layout_of(cfg: MegahetConfig, dp: int) -> dict[str, int]:
     p = cfg.parallel
     return {"tp": p.tp, "pp": p.pp, "dp": dp, "zero_stage": p.zero_stage}
@@ -141,14 +177,16 @@ def layout_of(cfg: MegahetConfig, dp: int) -> dict[str, int]:
 
 def check_compatible(resume: Resume, cfg: MegahetConfig, dp: int) -> None:
     """The checkpoint's sharding must be this run's: DeepSpeed's files are per TP x PP x DP rank.
-    A weights-only checkpoint has no optimizer shards: only its TP x PP must match."""
+    A weights-only checkpoint has no optimizer shards, and a resharded one keeps its optimizer state
+    per parameter: for those only TP x PP must match."""
     saved, now = resume.meta["layout"], layout_of(cfg, dp)
     reshard = f"reshard it with tools/convert_checkpoint.py reshard --tp {now['tp']} --pp {now['pp']}"
     same_model_parallel = (saved["tp"], saved["pp"]) == (now["tp"], now["pp"])
-    if resume.meta.get("weights_only"):
+    if resume.meta.get("weights_only") or per_parameter(resume):
         if not same_model_parallel:
+            kind = "weights-only" if resume.meta.get("weights_only") else "resharded"
             raise ConfigError(
-                f"train.load: weights-only checkpoint {resume.path} is laid out for TP {saved['tp']} x PP "
+                f"train.load: {kind} checkpoint {resume.path} is laid out for TP {saved['tp']} x PP "
                 f"{saved['pp']}, this run is TP {now['tp']} x PP {now['pp']}: {reshard}"
             )
         return
@@ -211,7 +249,7 @@ def _unreadable(path, err: Exception) -> ConfigError:
     )
 
 
-def _load_file(path: Path):
+def load_checkpoint_file(path: Path):
     try:
         return torch.load(path, map_location="cpu", weights_only=False)  # our own file: RNG tuples, numpy
     except _BAD_FILE as err:
@@ -280,8 +318,20 @@ def _publish(tmp: Path, meta: dict) -> Path:
     return final
 
 
+TOKENIZER = "tokenizer.model"
+"""The task's tokenizer model, copied into every checkpoint (export-hf ships it; reshard carries it)."""
+
+
+def _copy_tokenizer(task, folder: Path) -> None:
+    """Copy the task's tokenizer model file (Task.tokenizer_model, when it has one) into folder."""
+    source = getattr(task, "tokenizer_model", None)
+    if source is not None:
+        shutil.copyfile(Path(source).expanduser(), folder / TOKENIZER)
+
+
 def save(trainer) -> tuple[Path, float]:
-    """Save the trainer's state into train.save (all ranks call it); returns (folder, seconds)."""
+    """Save the trainer's state into train.save (all ranks call it); returns (folder, seconds).
+    Rank 0 adds the task's tokenizer model (tokenizer.model) and megahet.json, then publishes."""
     cfg, engine, layout = trainer.cfg, trainer.engine, trainer.layout
     t0 = time.perf_counter()
     root = Path(cfg.train.save).expanduser()
@@ -315,6 +365,7 @@ def save(trainer) -> tuple[Path, float]:
         }
         if trainer.task.vocab_size is not None:  # the tokenizer's: a reshard re-pads it for another TP
             meta["vocab_size"] = trainer.task.vocab_size
+        _copy_tokenizer(trainer.task, tmp)  # before _publish: listed with its size, checked on load
         final = _publish(tmp, meta)
         keep = cfg.train.keep_last
         if keep > 0:
@@ -326,15 +377,32 @@ def save(trainer) -> tuple[Path, float]:
     return root / name[0], time.perf_counter() - t0
 
 
+def optimizer_file(mp_rank: int) -> str:
+    """A resharded checkpoint's per-parameter optimizer state of one TP x PP rank (megahet/optimizer_state.py)."""
+    return f"megahet_optimizer_mp_rank_{mp_rank:02d}.pt"
+
+
 def save_weights_only(
-    root: Path, stages: list[list[dict]], *, iteration: int, consumed_samples: int, meta: dict
+    root: Path,
+    stages: list[list[dict]],
+    *,
+    iteration: int,
+    consumed_samples: int,
+    meta: dict,
+    optimizer: list[list[dict]] | None = None,
+    files: dict[str, Path] | None = None,
 ) -> Path:
-    """Write a weights-only checkpoint into root (a new or empty folder): stages[pp_rank][tp_rank] is
-    that rank's module state dict (stage-local names, as the model's state_dict() names them). Only
-    DeepSpeed's model states files and megahet.json ("weights_only": true, layout TP x PP, plus `meta`);
-    `latest` names it. Returns the checkpoint folder."""
+    """Write a weights-only checkpoint into root (a new folder, or one holding other checkpoints):
+    stages[pp_rank][tp_rank] is that rank's module state dict (stage-local names, as the model's
+    state_dict() names them). Only DeepSpeed's model states files and megahet.json ("weights_only":
+    true, layout TP x PP, plus `meta`); `latest` names it. With `optimizer` ([pp_rank][tp_rank]: the
+    per-parameter fp32 masters, Adam moments and step, LR schedule) it also writes those, and it is a
+    full checkpoint at any DP size ("optimizer": "per_parameter"). `files`: more files to copy in, by
+    name (e.g. the tokenizer model). Returns the checkpoint folder."""
     tp, pp = len(stages[0]), len(stages)
     tmp = root / (TMP_PREFIX + tag_name(iteration))
+    if tmp.is_dir():  # left by a crash mid-write: never complete, never loaded
+        shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     client_state = {"megahet": {"iteration": iteration, "consumed_samples": consumed_samples}}
     for pp_rank, shards in enumerate(stages):
@@ -342,13 +410,19 @@ def save_weights_only(
             # what engine.load_checkpoint(load_module_only=True) reads: module, dp_world_size, client state
             states = {"module": module, "dp_world_size": None, "mp_world_size": tp * pp, **client_state}
             torch.save(states, tmp / model_states_file(pp_rank * tp + tp_rank))
+            if optimizer is not None:
+                torch.save(optimizer[pp_rank][tp_rank], tmp / optimizer_file(pp_rank * tp + tp_rank))
+    for name, source in (files or {}).items():
+        shutil.copyfile(source, tmp / name)
     header = {
         "format": FORMAT_VERSION,
         "iteration": iteration,
         "consumed_samples": consumed_samples,
-        "weights_only": True,
+        "weights_only": optimizer is None,
         "layout": {"tp": tp, "pp": pp},
     }
+    if optimizer is not None:
+        header["optimizer"] = "per_parameter"
     return _publish(tmp, {**header, **meta})
 
 
@@ -361,7 +435,9 @@ def load(trainer, resume: Resume) -> float:
     with _naming_bad_files(engine):
         # load_module_only: DeepSpeed then copies the loaded weights into ZeRO's fp32 master partitions
         load_path, client_state = engine.load_checkpoint(
-            str(resume.path.parent), tag=resume.path.name, load_module_only=weights_only
+            str(resume.path.parent),
+            tag=resume.path.name,
+            load_module_only=weights_only or per_parameter(resume),
         )
     if load_path is None:
         raise ConfigError(f"train.load: DeepSpeed found no model states in checkpoint {resume.path}")
@@ -375,7 +451,10 @@ def load(trainer, resume: Resume) -> float:
             f"restart from scratch (warmup again), RNG streams and step-hook state start fresh"
         )
         return time.perf_counter() - t0
-    mine = _load_file(resume.path / rank_file(trainer.layout.rank))
+    if per_parameter(resume):
+        _load_per_parameter(trainer, resume)
+        return time.perf_counter() - t0
+    mine = load_checkpoint_file(resume.path / rank_file(trainer.layout.rank))
     set_rng_states(mine["rng"])
     for name, hook in _stateful_hooks(trainer.step_hooks).items():
         saved = mine["hooks"].get(name)
@@ -386,3 +465,24 @@ def load(trainer, resume: Resume) -> float:
             continue
         hook.load_state_dict(saved["state"])
     return time.perf_counter() - t0
+
+
+def _load_per_parameter(trainer, resume: Resume) -> None:
+    """A resharded checkpoint: this TP x PP rank's fp32 masters, Adam moments and step, and the LR
+    schedule; RNG streams and step hooks (whose state belongs to the old layout) start fresh."""
+    from megahet.optimizer_state import load_into_engine
+
+    layout, engine = trainer.layout, trainer.engine
+    saved = load_checkpoint_file(
+        resume.path / optimizer_file(layout.pp_rank * layout.tp_size + layout.tp_rank)
+    )
+    load_into_engine(engine, saved)
+    if saved.get("lr_scheduler") is not None and engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
+    if saved.get("global_steps") is not None:
+        engine.global_steps = saved["global_steps"]
+    trainer.logger.print(
+        f"megahet: {resume.path} was resharded from {resume.meta['resharded_from']['layout']}: loaded the weights, "
+        f"the optimizer state (fp32 masters, Adam moments, step {saved['step']}) and the LR schedule; RNG "
+        f"streams and step-hook state (the balancer's) start fresh"
+    )

@@ -41,6 +41,8 @@ class ModelConfig:
     attention_dropout: float = 0.0
     init_method_std: float = 0.02
     layernorm_epsilon: float = 1e-5
+    add_bias_linear: bool = True
+    """Biases in the attention and MLP linears (False: none, as in PaLM / LLaMA); LayerNorms keep theirs."""
     make_vocab_size_divisible_by: int = 128
     """GPT: pad the tokenizer's vocabulary to a multiple of this times TP, as Megatron does."""
     image_size: int = 28

@@ -2,7 +2,7 @@
 GPT-2, ViT safetensors, or a weights-only megahet checkpoint at another TP x PP.
 
     state, meta = consolidate("ckpt")                  # DIR (its `latest`) or DIR/iter_NNNNNNN
-    export_hf(state, cfg.model, "hf_dir")              # GPT2LMHeadModel.from_pretrained("hf_dir")
+    export_hf(state, cfg.model, "hf_dir", "ckpt/iter_0000300/tokenizer.model")  # GPT-2 + tokenizer.json
     reshard("ckpt", "ckpt_tp4", tp=4, pp=1)            # pretrain_gpt.py --train.load ckpt_tp4 --parallel.tp 4
     python tools/convert_checkpoint.py consolidate --load ckpt --out model.pt
     python tools/convert_checkpoint.py export-hf --load ckpt --out hf_dir [--config run.yaml | --model.* ...]
@@ -17,9 +17,14 @@ fp32, named as the TP=1 PP=1 model names it (no `_extra_state` entries). A bf16 
 states hold rounded weights: its fp32 masters are merged from the ZeRO shards by DeepSpeed's
 zero_to_fp32, per model-parallel rank.
 
+`export_hf` writes GPT2LMHeadModel + generation config (eos / bos / pad ids set) + the run's
+SentencePiece BPE tokenizer as a `tokenizers` tokenizer.json (`hf_tokenizer`: the same ids, checked on
+every piece; AutoTokenizer loads it); linear biases a bias-free model lacks are written as zeros.
+
 `reshard` merges the same way, re-pads the GPT vocabulary for the new TP if needed, splits with
 `shard` and writes the per-rank module states (megatron-core's `_extra_state` entries kept, so that
-DeepSpeed's strict load accepts them) as a weights-only checkpoint: checkpoint.save_weights_only.
+DeepSpeed's strict load accepts them) as a weights-only checkpoint: checkpoint.save_weights_only;
+the source's tokenizer.model is carried over.
 """
 
 from __future__ import annotations
@@ -35,8 +40,16 @@ from pathlib import Path
 
 import torch
 
-from megahet.checkpoint import LATEST, META, model_states_file, save_weights_only
+from megahet.checkpoint import (
+    LATEST,
+    META,
+    TOKENIZER,
+    load_checkpoint_file,
+    model_states_file,
+    save_weights_only,
+)
 from megahet.config import ConfigError, ModelConfig
+from megahet.hf_tokenizer import hf_tokenizer, save_hf_tokenizer
 from megahet.models.gpt import padded_vocab_size
 
 TIED_COPY = "output_layer.weight"
@@ -288,18 +301,69 @@ def reshard(
     *,
     model: ModelConfig | None = None,
     vocab_size: int | None = None,
+    optimizer: bool = False,
 ) -> tuple[Path, dict, float]:
     """Write the checkpoint's weights as a weights-only megahet checkpoint for TP=tp x PP=pp into the
     new folder `out` (loadable with --train.load out --parallel.tp tp --parallel.pp pp at any DP).
     `model`: settings for checkpoints that do not record theirs; `vocab_size`: the tokenizer's
-    vocabulary, needed only when the new TP's padding is ambiguous. Returns (folder, meta, seconds)."""
-    t0 = time.perf_counter()
+    vocabulary, needed only when the new TP's padding is ambiguous; `optimizer`: also carry the ZeRO
+    optimizer state (fp32 masters, Adam moments and step) and the LR schedule, per parameter, so that
+    training continues exactly (up to reduction order). Returns (folder, meta, seconds)."""
     out = Path(out).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(
             f"--out: {out} exists and is not empty: choose a new folder (saved data is never overwritten)"
         )
     folder, meta = find_checkpoint(path)
+    return reshard_into(folder, meta, out, tp, pp, model=model, vocab_size=vocab_size, optimizer=optimizer)
+
+
+def _resharded(
+    state: dict, m: ModelConfig, src_tp: int, tp: int, pp: int, vocab: int | None
+) -> list[list[dict]]:
+    """An unsharded state (TP=1 PP=1 names) -> [pp_rank][tp_rank] state dicts, the GPT vocabulary
+    re-padded for the new TP."""
+    if WORD_EMBEDDING in state:  # GPT: the vocabulary is padded per TP size
+        rows = resharded_vocab_rows(state[WORD_EMBEDDING].shape[0], m, src_tp, tp, vocab)
+        state = {**state, WORD_EMBEDDING: repad_vocab(state[WORD_EMBEDDING], rows)}
+    return shard(state, tp, pp)
+
+
+def _optimizer_stages(folder: Path, src: dict, m: ModelConfig, tp: int, pp: int, vocab: int | None):
+    """The ZeRO optimizer state at TP=tp x PP=pp: [pp_rank][tp_rank] -> {key: {name: tensor}, "step", "lr"}."""
+    from megahet.optimizer_state import TENSOR_KEYS, read_zero_state
+
+    src_tp, src_pp = src["tp"], src["pp"]
+    per_rank = [[read_zero_state(folder, p * src_tp + t) for t in range(src_tp)] for p in range(src_pp)]
+    steps = {rank["step"] for stage in per_rank for rank in stage}
+    if len(steps) != 1:
+        raise ConfigError(
+            f"reshard: {folder}: the ZeRO shards were saved at different Adam steps {sorted(steps)}"
+        )
+    step, lr = steps.pop(), per_rank[0][0]["lr"]
+    out = [[{"step": step, "lr": lr} for _ in range(tp)] for _ in range(pp)]
+    for key in TENSOR_KEYS:
+        merged = merge_shards([[rank[key] for rank in stage] for stage in per_rank])
+        for p, stage in enumerate(_resharded(merged, m, src_tp, tp, pp, vocab)):
+            for t, tensors in enumerate(stage):
+                out[p][t][key] = tensors
+    return out
+
+
+def reshard_into(
+    folder: Path,
+    meta: dict,
+    root: Path,
+    tp: int,
+    pp: int,
+    *,
+    model: ModelConfig | None = None,
+    vocab_size: int | None = None,
+    optimizer: bool = False,
+) -> tuple[Path, dict, float]:
+    """reshard() of the checkpoint `folder` (its megahet.json `meta`) into a new checkpoint folder
+    under `root` (published atomically beside any that are there; `root/latest` names it)."""
+    t0 = time.perf_counter()
     m = model_settings(meta, model, "reshard")
     check_reshard(m, tp, pp)
     state = merge_shards(read_stages(folder, meta))
@@ -310,27 +374,50 @@ def reshard(
         )
     src = meta["layout"]
     vocab = vocab_size if vocab_size is not None else meta.get("vocab_size")
-    if WORD_EMBEDDING in state:  # GPT: the vocabulary is padded per TP size
-        rows = resharded_vocab_rows(state[WORD_EMBEDDING].shape[0], m, src["tp"], tp, vocab)
-        state[WORD_EMBEDDING] = repad_vocab(state[WORD_EMBEDDING], rows)
-    stages = shard(state, tp, pp)
+    stages = _resharded(state, m, src["tp"], tp, pp, vocab)
     extra = {
         "model": dataclasses.asdict(m),
         "resharded_from": {"path": str(folder.resolve()), "layout": src},
     }
     if vocab is not None:
         extra["vocab_size"] = vocab
+    optimizer_states = None
+    if optimizer:
+        if meta.get("weights_only"):
+            raise ConfigError(f"reshard: {folder} is weights-only: it has no optimizer state to carry")
+        optimizer_states = _optimizer_stages(folder, src, m, tp, pp, vocab)
+        schedule = load_checkpoint_file(folder / model_states_file(0))
+        for stage in optimizer_states:
+            for rank in stage:
+                rank["lr_scheduler"] = schedule.get("lr_scheduler")
+                rank["global_steps"] = schedule.get("global_steps")
     checkpoint = save_weights_only(
-        out, stages, iteration=meta["iteration"], consumed_samples=meta["consumed_samples"], meta=extra
+        root,
+        stages,
+        iteration=meta["iteration"],
+        consumed_samples=meta["consumed_samples"],
+        meta=extra,
+        optimizer=optimizer_states,
+        files={TOKENIZER: folder / TOKENIZER} if (folder / TOKENIZER).is_file() else None,
     )
     new_meta = json.loads((checkpoint / META).read_text())
     return checkpoint, new_meta, time.perf_counter() - t0
+
+
+# --- Hugging Face tokenizer -----------------------------------------------------------------------
+
+
+def checkpoint_tokenizer(path: str | Path) -> Path | None:
+    """The tokenizer model a checkpoint carries (DIR or DIR/iter_NNNNNNN), or None (saved without one)."""
+    folder, _ = find_checkpoint(path)
+    return folder / TOKENIZER if (folder / TOKENIZER).is_file() else None
 
 
 # --- Hugging Face GPT-2 ---------------------------------------------------------------------------
 
 
 def _hf_config(state: dict[str, torch.Tensor], m: ModelConfig):
+    """The GPT2Config of a megahet GPT state (checked against the model settings); no special ids yet."""
     from transformers import GPT2Config
 
     if "embedding.word_embeddings.weight" not in state:
@@ -369,6 +456,16 @@ def _hf_config(state: dict[str, torch.Tensor], m: ModelConfig):
     )
 
 
+def _linear_bias(state: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    """A linear's bias; zeros (out,) for a model without linear biases (model.add_bias_linear false), since
+    GPT-2's Conv1D always adds one: the same function."""
+    bias = state.get(prefix + ".bias")
+    if bias is not None:
+        return bias
+    weight = state[prefix + ".weight"]  # (out, in)
+    return torch.zeros(weight.shape[0], dtype=weight.dtype)
+
+
 def gpt_to_hf(state: dict[str, torch.Tensor], heads: int) -> dict[str, torch.Tensor]:
     """megahet GPT (TP=1 PP=1 names) -> GPT2LMHeadModel state dict (Conv1D weights are (in, out))."""
     out = {
@@ -380,7 +477,8 @@ def gpt_to_hf(state: dict[str, torch.Tensor], heads: int) -> dict[str, torch.Ten
     }
     for i in range(num_layers_of(state)):
         src, dst = f"decoder.layers.{i}.", f"transformer.h.{i}."
-        w, b = state[src + "self_attention.linear_qkv.weight"], state[src + "self_attention.linear_qkv.bias"]
+        w = state[src + "self_attention.linear_qkv.weight"]  # (3 hidden, hidden)
+        b = _linear_bias(state, src + "self_attention.linear_qkv")  # (3 hidden,)
         hidden = w.shape[1]
         # megatron: rows per head [q_h | k_h | v_h]; HF: columns [all q | all k | all v]
         w = w.reshape(heads, 3, hidden // heads, hidden).transpose(0, 1).reshape(3 * hidden, hidden)
@@ -399,21 +497,57 @@ def gpt_to_hf(state: dict[str, torch.Tensor], heads: int) -> dict[str, torch.Ten
             "mlp.c_proj": "mlp.linear_fc2",
         }.items():
             out[dst + hf + ".weight"] = state[src + mg + ".weight"].t()
-            out[dst + hf + ".bias"] = state[src + mg + ".bias"]
+            out[dst + hf + ".bias"] = _linear_bias(state, src + mg)
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 
-def export_hf(state: dict[str, torch.Tensor], model_cfg: ModelConfig, out: str | Path):
-    """Write a transformers GPT2LMHeadModel (save_pretrained) into `out`; returns the model."""
+def _set_special_ids(config, tokenizer, vocab_size: int | None) -> None:
+    """bos / eos / pad ids of the tokenizer on the GPT2Config (so generate() stops at </s>), after
+    checking that the tokenizer fits the model's (padded) vocabulary and the one megahet.json records."""
+    pieces = len(tokenizer)
+    if pieces > config.vocab_size or vocab_size not in (None, pieces):
+        recorded = f" (megahet.json records {vocab_size})" if vocab_size is not None else ""
+        raise ConfigError(
+            f"export-hf: the tokenizer has {pieces} pieces, the model {config.vocab_size} embedding rows"
+            f"{recorded}: pass the run's tokenizer with --tokenizer"
+        )
+    config.bos_token_id = tokenizer.bos_token_id
+    config.eos_token_id = tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+
+
+def export_hf(
+    state: dict[str, torch.Tensor],
+    model_cfg: ModelConfig,
+    out: str | Path,
+    tokenizer: str | Path | None = None,
+    *,
+    vocab_size: int | None = None,
+):
+    """Write a transformers GPT2LMHeadModel (save_pretrained, with its generation config) and the run's
+    tokenizer (tokenizer.json, see hf_tokenizer) into `out`; returns the model. `tokenizer`: the run's
+    SentencePiece model (a checkpoint's tokenizer.model); `vocab_size`: megahet.json's, checked against it.
+    config.json and generation_config.json carry the tokenizer's bos / eos / pad ids (pad = eos when it has
+    no pad piece)."""
     from transformers import GPT2LMHeadModel
 
     config = _hf_config(state, model_cfg)
+    if tokenizer is None:
+        raise ConfigError(
+            "export-hf: no tokenizer: the checkpoint has no tokenizer.model (saved by an older megahet): "
+            "pass --tokenizer PATH, the run's SentencePiece model (data.tokenizer_model; shipped corpus: "
+            "~/.cache/megahet/gpt/spm<data.vocab_size>.model)"
+        )
+    hf_tok = hf_tokenizer(tokenizer, model_max_length=config.n_positions)
+    _set_special_ids(config, hf_tok, vocab_size)
     model = GPT2LMHeadModel(config)
     missing, unexpected = model.load_state_dict(gpt_to_hf(state, config.n_head), strict=False)
     missing = [k for k in missing if not k.endswith((".attn.bias", ".attn.masked_bias"))]
     if missing or unexpected:
         raise ConfigError(f"export-hf: GPT-2 mapping incomplete (missing {missing}, unexpected {unexpected})")
+    out = Path(out)
     model.save_pretrained(str(out))
+    save_hf_tokenizer(hf_tok, out)
     return model
 
 

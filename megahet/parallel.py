@@ -72,9 +72,32 @@ def _init_process_group(timeout_minutes: int) -> None:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     if cuda_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    store = _elastic_attempt_store(timeout)
+    if store is None:
+        dist.init_process_group(backend=distributed_backend(), timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group(
-        backend=distributed_backend(), timeout=datetime.timedelta(minutes=timeout_minutes)
+        backend=distributed_backend(), store=store, rank=rank, world_size=world, timeout=timeout
     )
+
+
+def _elastic_attempt_store(timeout: datetime.timedelta):
+    """Under torchrun after a restart, the agent's store with a key space of this attempt's own.
+
+    torchrun's c10d rendezvous hands the workers of every attempt the same TCPStore (the agent's
+    `_shared_tcp_store_server`), so the keys the previous attempt's ranks wrote are still there: a rank
+    of the new world can read a dead peer's gloo address before its successor overwrites it, and
+    hang connecting to it until the timeout. The prefix names the attempt (restart count) and its
+    world, which differ between any two attempts. None on a first attempt or outside torchrun."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"megahet/attempt_{attempt}_world_{os.environ['WORLD_SIZE']}/", store)
 
 
 def initialize_parallel(tp: int, pp: int, seed: int, timeout_minutes: int = 10) -> ParallelLayout:

@@ -27,6 +27,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megahet import checkpoint
 from megahet.config import ConfigError, HelpRequested, MegahetConfig, config_help, load_config
 from megahet.config_checks import validate
+from megahet.elastic import plan_resume, reshard_checkpoint
 from megahet.engine import build_engine, fold_deepspeed_json
 from megahet.logging import TrainingLogger
 from megahet.parallel import ParallelLayout, destroy_parallel, initialize_parallel
@@ -55,6 +56,8 @@ class Task:
     tokens_per_sample: int = 1
     vocab_size: int | None = None
     """The tokenizer's vocabulary (before padding), recorded in checkpoints for resharding."""
+    tokenizer_model: str | None = None
+    """The tokenizer's model file (GPT: SentencePiece), copied into checkpoints as tokenizer.model."""
 
 
 @dataclasses.dataclass
@@ -65,6 +68,9 @@ class TaskSpec:
     """Checks that need no process group (paths, data sizes); raise one-line errors."""
     prepare: Callable[[MegahetConfig], None] = lambda cfg: None
     """Run once on global rank 0 before the others build (e.g. tokenizer and data preparation)."""
+    vocab_size: Callable[[MegahetConfig], int | None] = lambda cfg: None
+    """The vocabulary this run's tokenizer has, known before any rank starts (None: the task has none),
+    so that a checkpoint of another vocabulary is refused up front."""
 
 
 class ScheduledEngine:
@@ -266,18 +272,25 @@ def _mean_over_dp(values: list[torch.Tensor]) -> float:
 def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
     """Check everything, start the process groups, prepare data, build the task, engine and logger."""
     user_ds = fold_deepspeed_json(cfg)
-    dp_size = validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    resume = checkpoint.find_resume(cfg)
+    cfg, reshard_note = plan_resume(cfg, resume, world)  # another layout: TP x PP fitted to this world
+    dp_size = validate(cfg, world)
     if cfg.train.precision == "bf16" and cuda_available() and not torch.cuda.is_bf16_supported():
         raise ConfigError("train.precision=bf16 is not supported by this GPU: use train.precision=fp32")
     spec.preflight(cfg)
-    resume = checkpoint.find_resume(cfg)
     if resume is not None:
-        checkpoint.check_compatible(resume, cfg, dp_size)
-        if resume.note and int(os.environ.get("RANK", "0")) == 0:  # once, before any rank starts work
-            print(f"megahet: {resume.note}", flush=True)
+        checkpoint.check_model(resume, cfg, spec.vocab_size(cfg))
+        if reshard_note is None:
+            checkpoint.check_compatible(resume, cfg, dp_size)
+        for note in (resume.note, reshard_note):
+            if note and int(os.environ.get("RANK", "0")) == 0:  # once, before any rank starts work
+                print(f"megahet: {note}", flush=True)
     layout = initialize_parallel(
         cfg.parallel.tp, cfg.parallel.pp, cfg.train.seed, cfg.parallel.distributed_timeout_minutes
     )
+    if reshard_note is not None:
+        resume = reshard_checkpoint(cfg, resume, layout.rank)
     if layout.rank == 0:
         spec.prepare(cfg)
     dist.barrier()

@@ -1,13 +1,15 @@
 """Convert a megahet checkpoint (any TP x PP): consolidate it, export it, or reshard it to another TP x PP.
 
     python tools/convert_checkpoint.py consolidate --load ckpt --out model.pt
-    python tools/convert_checkpoint.py export-hf --load ckpt --out hf_gpt2
+    python tools/convert_checkpoint.py export-hf --load ckpt --out hf_gpt2 [--tokenizer spm.model]
     python tools/convert_checkpoint.py export-vit --load vit_ckpt --out vit_dir
     python tools/convert_checkpoint.py reshard --load ckpt --out ckpt_tp4 --tp 4 --pp 1 [--vocab-size V]
 
 `--load` is a --train.save folder (its `latest`) or one DIR/iter_NNNNNNN. `consolidate` writes one
-unsharded fp32 state dict (TP=1 PP=1 names; torch.load it). The exports and `reshard` need the run's
-model settings (attention heads, LayerNorm epsilon, ...): checkpoints record them in megahet.json;
+unsharded fp32 state dict (TP=1 PP=1 names; torch.load it). `export-hf` writes a GPT2LMHeadModel with
+the run's tokenizer (AutoTokenizer loads it): the checkpoint's tokenizer.model, or `--tokenizer` for
+checkpoints saved without one. The exports and `reshard` need the run's model settings (attention
+heads, LayerNorm epsilon, ...): checkpoints record them in megahet.json;
 for older ones pass the training run's `--config` and/or `--model.*` overrides. `reshard` writes a new
 weights-only checkpoint folder for `pretrain_*.py --train.load OUT --parallel.tp N --parallel.pp M`
 (any DP): weights, step and data position carry over, the optimizer and LR schedule restart.
@@ -24,7 +26,15 @@ from pathlib import Path
 import torch
 
 from megahet.config import ConfigError, load_config
-from megahet.convert import consolidate, export_hf, export_vit, find_checkpoint, model_settings, reshard
+from megahet.convert import (
+    checkpoint_tokenizer,
+    consolidate,
+    export_hf,
+    export_vit,
+    find_checkpoint,
+    model_settings,
+    reshard,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, help="reshard: tensor-parallel size of the new checkpoint")
     parser.add_argument("--pp", type=int, help="reshard: pipeline-parallel size of the new checkpoint")
     parser.add_argument("--vocab-size", type=int, help="reshard: the tokenizer's vocabulary (GPT), if asked")
+    parser.add_argument(
+        "--tokenizer", type=Path, help="export-hf: the run's SentencePiece model, if the checkpoint has none"
+    )
     args, rest = parser.parse_known_args(argv)
     try:
         given = load_config(rest).model if rest else None
@@ -59,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             torch.save(state, args.out)
         elif args.command == "export-hf":
-            export_hf(state, model_settings(meta, given, "export-hf"), args.out)
+            tokenizer = args.tokenizer or checkpoint_tokenizer(args.load)
+            settings = model_settings(meta, given, "export-hf")
+            export_hf(state, settings, args.out, tokenizer, vocab_size=meta.get("vocab_size"))
         else:
             export_vit(state, model_settings(meta, given, "export-vit"), args.out)
     except ConfigError as err:

@@ -40,11 +40,13 @@ def transformer_config(cfg: MegahetConfig) -> TransformerConfig:
 
     GPT-2's tanh GELU on both paths: on CUDA, megatron-core fuses bias + GELU only for `F.gelu`, and
     its fused kernel (`fusions/fused_bias_gelu.bias_gelu`) *is* the tanh approximation; without
-    fusion the activation is applied as given, so the CPU path names the tanh GELU itself.
+    fusion the activation is applied as given, so the CPU path names the tanh GELU itself. A model
+    without linear biases (model.add_bias_linear false) has no bias to fuse: it names the tanh GELU too.
     """
     m, p = cfg.model, cfg.parallel
     dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
     fused = cuda_available()
+    fused_bias_gelu = fused and m.add_bias_linear  # megatron-core's bias-GELU kernel needs a bias
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -56,8 +58,8 @@ def transformer_config(cfg: MegahetConfig) -> TransformerConfig:
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
         layernorm_epsilon=m.layernorm_epsilon,
-        activation_func=F.gelu if fused else gelu_tanh,  # tanh GELU either way (see above)
-        add_bias_linear=True,
+        activation_func=F.gelu if fused_bias_gelu else gelu_tanh,  # tanh GELU either way (see above)
+        add_bias_linear=m.add_bias_linear,
         normalization="LayerNorm",
         # Initialize every weight from its full (unsharded) master on the CPU, so a model is the
         # same function of the seed whatever its TP size.
@@ -66,7 +68,7 @@ def transformer_config(cfg: MegahetConfig) -> TransformerConfig:
         pipeline_dtype=dtype,
         bf16=cfg.train.precision == "bf16",
         gradient_accumulation_fusion=False,
-        bias_activation_fusion=fused,
+        bias_activation_fusion=fused_bias_gelu,
         masked_softmax_fusion=fused and has_fused_softmax_kernel(),
         bias_dropout_fusion=fused,
         persist_layer_norm=False,

@@ -1,0 +1,123 @@
+"""Elastic resume (runtime): a checkpoint saved at another parallel layout is resharded, with its
+optimizer state, to a TP x PP x DP that fits this world, and training continues on the loss curve.
+
+A job restarted on fewer devices (a node lost, `torchrun --nnodes MIN:MAX --max-restarts N`), on more,
+or with another --parallel.tp / --parallel.pp resumes from its last checkpoint with the same command:
+
+1. `fit_layout` (policy, before any rank starts work) keeps the run's own TP x PP when it still fits
+   the world (only DP changes: every rank's model shard stays the same). Otherwise it takes the
+   largest TP' x PP' (TP' <= TP, PP' <= PP) that passes every check of the configuration at this
+   world size (TP' divides the heads and the MLP, PP' the layers, DP' the global batch), preferring
+   the larger TP' on a tie (TP groups sit inside a node, so a lost node costs pipeline stages first).
+2. `reshard_checkpoint` (after the process groups start): rank 0 merges the saved TP x PP x DP shards,
+   weights and ZeRO optimizer state (fp32 masters, Adam moments and step, LR schedule) per parameter
+   (megahet/optimizer_state.py), re-splits them for the new TP x PP and publishes the result as a new
+   checkpoint beside the old one (train.save, else train.load's folder; `latest` names it), which
+   loads at any DP size and ZeRO stage. The saved checkpoint is kept.
+
+The resharded run's gradients are reduced in another order (other DP and TP groups), so it follows
+the uninterrupted run within fp32 reduction noise. RNG streams and step-hook state (the balancer's
+speed samples and plan) belong to the old layout and start fresh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megahet.checkpoint import Resume, find_resume, layout_of, per_parameter
+from megahet.config import ConfigError, MegahetConfig
+from megahet.config_checks import validate
+
+
+def needs_reshard(resume: Resume | None, cfg: MegahetConfig, world: int) -> bool:
+    """A full checkpoint whose TP x PP x DP x ZeRO layout is not this run's (weights-only checkpoints
+    load at any DP, with their own TP x PP)."""
+    if resume is None or resume.meta.get("weights_only"):
+        return False
+    saved, p = resume.meta["layout"], cfg.parallel
+    if per_parameter(resume):
+        return (saved["tp"], saved["pp"]) != (p.tp, p.pp)
+    fits = world % (p.tp * p.pp) == 0
+    return not fits or saved != layout_of(cfg, world // (p.tp * p.pp))
+
+
+def _fits(cfg: MegahetConfig, tp: int, pp: int, world: int) -> bool:
+    candidate = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp, pp=pp))
+    try:
+        validate(candidate, world)
+    except ConfigError:
+        return False
+    return True
+
+
+def fit_layout(cfg: MegahetConfig, world: int) -> tuple[int, int]:
+    """(TP, PP) for this world: the run's own if it fits, else the largest TP' x PP' <= it that does."""
+    p = cfg.parallel
+    if _fits(cfg, p.tp, p.pp, world):
+        return p.tp, p.pp
+    candidates = [
+        (tp * pp, tp, pp)
+        for tp in range(1, p.tp + 1)
+        for pp in range(1, p.pp + 1)
+        if _fits(cfg, tp, pp, world)
+    ]
+    if not candidates:
+        raise ConfigError(
+            f"train.load: no TP x PP up to TP {p.tp} x PP {p.pp} fits a world of {world} ranks with this "
+            f"configuration (global batch, micro-batch, heads, layers): launch more ranks or change them"
+        )
+    _, tp, pp = max(candidates)
+    return tp, pp
+
+
+def plan_resume(cfg: MegahetConfig, resume: Resume | None, world: int) -> tuple[MegahetConfig, str | None]:
+    """The configuration to run (its TP x PP fitted to the world when the checkpoint must be
+    resharded) and a line saying what will happen, or (cfg, None) when nothing changes."""
+    if not needs_reshard(resume, cfg, world):
+        return cfg, None
+    tp, pp = fit_layout(cfg, world)
+    saved = resume.meta["layout"]
+    fitted = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp, pp=pp))
+    dp = world // (tp * pp)
+    changed = (
+        ""
+        if (tp, pp) == (cfg.parallel.tp, cfg.parallel.pp)
+        else (f" (TP {cfg.parallel.tp} x PP {cfg.parallel.pp} does not fit {world} ranks)")
+    )
+    old = f"TP {saved['tp']} x PP {saved['pp']}" + (f" x DP {saved['dp']}" if "dp" in saved else "")
+    note = (
+        f"{resume.path} was saved at {old}; this world of {world} ranks runs TP {tp} x PP {pp} x DP {dp}"
+        f"{changed}: resharding it with its optimizer state"
+    )
+    return fitted, note
+
+
+def reshard_checkpoint(cfg: MegahetConfig, resume: Resume, rank: int) -> Resume:
+    """Rank 0 writes the resharded checkpoint for cfg's TP x PP; every rank returns it (all ranks call
+    this after the process groups start)."""
+    from megahet.convert import reshard_into
+
+    p = cfg.parallel
+    written = [None]
+    if rank == 0:
+        root = Path(cfg.train.save or cfg.train.load).expanduser()
+        try:
+            folder, _, seconds = reshard_into(resume.path, resume.meta, root, p.tp, p.pp, optimizer=True)
+            written = [(str(folder), seconds, None)]
+        except ConfigError as err:
+            written = [(None, 0.0, str(err))]
+    dist.broadcast_object_list(written, src=0)
+    folder, seconds, error = written[0]
+    if error is not None:
+        raise ConfigError(error)
+    if rank == 0:
+        print(f"megahet: resharded {resume.path} into {folder} in {seconds:.2f} s", flush=True)
+    found = find_resume(
+        dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, load=str(Path(folder).parent)))
+    )
+    if found is None or found.path != Path(folder):
+        raise ConfigError(f"train.load: the resharded checkpoint {folder} is not the latest of its folder")
+    return found

@@ -1,0 +1,129 @@
+"""ZeRO optimizer state per parameter, independent of the parallel layout (mechanism; no policy).
+
+DeepSpeed's ZeRO-1/2 (and BF16_Optimizer) files `[bf16_]zero_pp_rank_D_mp_rank_MM_optim_states.pt`
+hold, per DP rank D of model-parallel rank MM, flat fp32 partitions of each parameter group (the fp32
+masters and Adam's exp_avg / exp_avg_sq) and `param_slice_mappings`: per group, each parameter's
+fragment (numel, start) in that partition. A parameter's full tensor is its fragments concatenated in
+DP order, shaped as the model states file's `param_shapes` says (DeepSpeed's ds_to_universal reads
+them the same way). `read_zero_state` gives those full tensors by (stage-local) parameter name;
+megahet/convert.py reshards them with the weights; `load_into_engine` sets them into a running engine
+through DeepSpeed's per-parameter API (safe_set_full_fp32_param / safe_set_full_optimizer_state), which
+is correct for any DP size, ZeRO stage and partitioning.
+
+    state = read_zero_state(Path("ckpt/iter_0000020"), mp_rank=0)   # {"fp32": {name: t}, ..., "step": 20}
+    load_into_engine(engine, state)                                  # after engine.load_checkpoint(load_module_only=True)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megahet.config import ConfigError
+
+TENSOR_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
+"""Per-parameter tensors: the fp32 master weight and Adam's two moments."""
+
+
+def zero_files(folder: Path, mp_rank: int) -> list[Path]:
+    """This model-parallel rank's ZeRO shard files, in DP order."""
+    files = sorted(
+        folder.glob(f"*zero_pp_rank_*_mp_rank_{mp_rank:02d}_optim_states.pt"),
+        key=lambda p: int(p.name.split("zero_pp_rank_")[1].split("_")[0]),
+    )
+    if not files:
+        raise ConfigError(
+            f"train.load: {folder} has no ZeRO optimizer shards for mp_rank_{mp_rank:02d}: it cannot be "
+            f"resharded with its optimizer state (a weights-only checkpoint restarts the optimizer)"
+        )
+    return files
+
+
+def _group_states(optimizer_state: dict) -> list[dict]:
+    """Adam's state of each group's flat partition: torch's state_dict (state keyed by group index, as
+    each group holds one flat tensor) or DeepSpeed's elastic list of per-group states."""
+    base = optimizer_state["base_optimizer_state"]
+    if isinstance(base, list):
+        return base
+    return [base["state"][i] for i in range(len(base["param_groups"]))]
+
+
+def _group_lrs(optimizer_state: dict) -> list[float] | None:
+    """Each param group's learning rate at the save (what the next step uses), if recorded."""
+    base = optimizer_state["base_optimizer_state"]
+    return [group["lr"] for group in base["param_groups"]] if isinstance(base, dict) else None
+
+
+def read_zero_state(folder: Path, mp_rank: int) -> dict:
+    """{"fp32" | "exp_avg" | "exp_avg_sq": {name: full tensor}, "step": Adam's step, "lr": each param
+    group's learning rate} of one model-parallel rank, merged over its DP shards."""
+    from megahet.checkpoint import load_checkpoint_file, model_states_file
+
+    shapes = load_checkpoint_file(folder / model_states_file(mp_rank))["param_shapes"]
+    shape_of = {name: shape for group in shapes for name, shape in group.items()}
+    fragments: dict[str, dict[str, list[torch.Tensor]]] = {key: {} for key in TENSOR_KEYS}
+    step = None
+    for file in zero_files(folder, mp_rank):
+        saved = load_checkpoint_file(file)["optimizer_state_dict"]
+        for g, (fp32, adam, mapping) in enumerate(
+            zip(saved["single_partition_of_fp32_groups"], _group_states(saved), saved["param_slice_mappings"])
+        ):
+            flat = {"fp32": fp32, "exp_avg": adam["exp_avg"], "exp_avg_sq": adam["exp_avg_sq"]}
+            step = int(adam["step"]) if step is None else step
+            for name, address in mapping.items():  # (numel, start) of the parameter in this partition
+                for key, buffer in flat.items():
+                    fragments[key].setdefault(name, []).append(buffer.narrow(0, address.start, address.numel))
+    state: dict = {"step": step, "lr": _group_lrs(saved)}
+    for key, by_name in fragments.items():
+        state[key] = {}
+        for name, parts in by_name.items():
+            full = torch.cat(parts).float()  # (numel,) in DP order
+            shape = shape_of[name]
+            if full.numel() != shape.numel():
+                raise ConfigError(
+                    f"train.load: {folder} mp_rank_{mp_rank:02d}: the ZeRO shards hold {full.numel()} values of "
+                    f"{name}, its shape {tuple(shape)} needs {shape.numel()}: the checkpoint is incomplete"
+                )
+            state[key][name] = full.view(shape).clone()
+    return state
+
+
+def load_into_engine(engine, state: dict) -> None:
+    """Set the per-parameter fp32 masters, Adam moments, step and learning rates into the engine's ZeRO optimizer
+    (every parameter the optimizer partitions must be in `state`)."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    optimizer = engine.optimizer
+    _init_adam_state(optimizer.optimizer, state["step"])
+    if state.get("lr") is not None:  # the schedule's value at the save, until its next step
+        for group, lr in zip(optimizer.optimizer.param_groups, state["lr"], strict=True):
+            group["lr"] = lr
+    optimizer._lazy_init_hp_params_optimizer_state()  # link each parameter's fragment of Adam's state
+    params = dict(engine.module.named_parameters())
+    trained = {name for name, p in params.items() if getattr(p, "_hp_mapping", None) is not None}
+    missing = sorted(trained - set(state["fp32"]))
+    if missing:
+        raise ConfigError(f"train.load: the checkpoint's optimizer state has no {missing[0]}: not this model")
+    for name in trained:
+        param = params[name]
+        safe_set_full_fp32_param(param, state["fp32"][name].to(param.device))
+        for key in ("exp_avg", "exp_avg_sq"):
+            safe_set_full_optimizer_state(param, state[key][name].to(param.device), key)
+
+
+def _init_adam_state(adam: torch.optim.Optimizer, step: int) -> None:
+    """Give every flat fp32 partition Adam's state (zero moments at `step`), as torch's own
+    load_state_dict lays it out: torch creates it lazily at the first step, and DeepSpeed links each
+    parameter's fragment of it only once it exists."""
+    saved = adam.state_dict()
+    flats = [p for group in adam.param_groups for p in group["params"]]
+    saved["state"] = {
+        i: {
+            "step": torch.tensor(float(step)),
+            "exp_avg": torch.zeros_like(p),
+            "exp_avg_sq": torch.zeros_like(p),
+        }
+        for i, p in enumerate(flats)
+    }
+    adam.load_state_dict(saved)

@@ -29,6 +29,7 @@ from megahet.config import ConfigError, HelpRequested, MegahetConfig, config_hel
 from megahet.config_checks import validate
 from megahet.elastic import plan_resume, reshard_checkpoint
 from megahet.engine import build_engine, fold_deepspeed_json
+from megahet.failures import first_local_rank, is_peer_loss, lost_peer_message, record_peers
 from megahet.logging import TrainingLogger
 from megahet.parallel import ParallelLayout, destroy_parallel, initialize_parallel
 from megahet.platform import cuda_available
@@ -289,6 +290,7 @@ def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
     layout = initialize_parallel(
         cfg.parallel.tp, cfg.parallel.pp, cfg.train.seed, cfg.parallel.distributed_timeout_minutes
     )
+    record_peers()
     if reshard_note is not None:
         resume = reshard_checkpoint(cfg, resume, layout.rank)
     if layout.rank == 0:
@@ -346,7 +348,8 @@ def pretrain(cfg: MegahetConfig, spec: TaskSpec) -> list[dict[str, Any]]:
 
 
 def run_cli(spec: TaskSpec, argv: list[str], defaults: MegahetConfig | None = None) -> None:
-    """Entry point of the pretrain scripts: bad inputs end in one line naming the problem and fix."""
+    """Entry point of the pretrain scripts: bad inputs end in one line naming the problem and fix
+    (printed once per node before the process groups start); a lost peer in one line naming it."""
     try:
         pretrain(load_config(argv, defaults=defaults), spec)
         # Join gloo's worker threads while the interpreter is alive: exiting with the process groups
@@ -356,4 +359,10 @@ def run_cli(spec: TaskSpec, argv: list[str], defaults: MegahetConfig | None = No
     except HelpRequested:
         print(config_help(defaults))
     except (ConfigError, FileNotFoundError) as err:
-        sys.exit(f"megahet: error: {err}")
+        # Before the groups start, every rank of a node fails alike: its first rank says it.
+        loud = dist.is_initialized() or first_local_rank()
+        sys.exit(f"megahet: error: {err}" if loud else 1)
+    except RuntimeError as err:
+        if not is_peer_loss(err):
+            raise
+        sys.exit(lost_peer_message(err))

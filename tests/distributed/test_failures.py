@@ -1,0 +1,117 @@
+"""Failures end a job quickly and clearly (real torchrun launches of pretrain_gpt.py, about 40 s).
+
+1. A dead rank: rank 3 of a TP=2 x DP=2 job is SIGKILLed in the middle of training. The job must end
+   within DEAD_RANK_BOUND_S (the distributed timeout, 10 min by default, is what a hang would take),
+   with a non-zero status, and with a message naming the lost rank: torchrun's summary ("rank: 3",
+   SIGKILL) and, where a survivor reached its error handler first, megahet's one line.
+2. A bad input on several ranks: a missing checkpoint folder with 2 ranks prints its one-line error
+   once, not once per rank.
+
+Run: ``python -m pytest tests/distributed/test_failures.py -q -s`` (-s prints the measured exit time)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from harness import GPT_MODEL, REPO, _descendants, _kill_launch, free_port, launch_env, torchrun_cmd
+
+DEAD_RANK_BOUND_S = 60.0
+COMMON = [
+    *GPT_MODEL,
+    "--train.micro_batch_size", "2",
+    "--train.global_batch_size", "8",
+    "--train.log_interval", "1",
+    "--train.eval_interval", "1000",
+    "--logging.wandb", "false",
+]  # fmt: skip
+
+
+def _rank_pid(launcher: int, rank: int) -> int | None:
+    """The pid of global rank `rank` among the launcher's descendants (from their environment)."""
+    for pid in _descendants(launcher):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"LOCAL_RANK=" + str(rank).encode() in env:
+            return pid
+    return None
+
+
+def _steps(metrics: Path) -> int:
+    if not metrics.is_file():
+        return 0
+    return max((json.loads(line)["step"] for line in metrics.read_text().splitlines() if line), default=0)
+
+
+def test_a_dead_rank_ends_the_job_quickly_naming_it(tmp_path: Path, gpt_data: list[str]) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    args = [*COMMON, *gpt_data, "--parallel.tp", "2", "--train.train_iters", "100000"]
+    cmd = [*torchrun_cmd(4, free_port()), str(REPO / "pretrain_gpt.py"), *args]
+    cmd += ["--logging.metrics_file", str(metrics)]
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while _steps(metrics) < 3:  # mid-training
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.05)
+        victim = _rank_pid(proc.pid, 3)
+        assert victim is not None, "rank 3's process not found"
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        output, _ = proc.communicate(timeout=DEAD_RANK_BOUND_S + 60)
+        elapsed = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            _kill_launch(proc)
+    print(f"dead rank: the job ended {elapsed:.1f} s after rank 3 was killed")
+    assert proc.returncode != 0
+    assert elapsed < DEAD_RANK_BOUND_S, f"the job took {elapsed:.0f} s to end after rank 3 died"
+    assert re.search(r"rank\s*: 3 \(local_rank: 3\)", output) and "SIGKILL" in output, output[-3000:]
+    ours = [line for line in output.splitlines() if line.startswith("megahet: error: rank")]
+    for line in ours:  # a survivor that got there before the launcher stopped it
+        assert "rank 3 died" in line and "--train.load" in line, line
+
+
+def test_a_bad_input_is_printed_once_not_per_rank(tmp_path: Path, gpt_data: list[str]) -> None:
+    missing = tmp_path / "no_such_checkpoint"
+    cmd = [*torchrun_cmd(2, free_port()), str(REPO / "pretrain_gpt.py"), *COMMON, *gpt_data]
+    cmd += ["--train.train_iters", "2", "--train.load", str(missing)]
+    proc = subprocess.run(
+        cmd, check=False, cwd=tmp_path, env=launch_env(), capture_output=True, text=True, timeout=180
+    )
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("megahet: error:")]
+    assert proc.returncode != 0
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert str(missing) in errors[0] and "train.load" in errors[0]
+
+
+@pytest.mark.parametrize("state", ["running", "zombie", "reaped"])
+def test_dead_ranks_are_found_by_pid(state: str) -> None:
+    """A killed rank is dead before its launcher reaps it (a zombie), and only ranks of this host count."""
+    from megahet.failures import dead_ranks
+
+    child = subprocess.Popen(["sleep", "30"])
+    if state != "running":
+        child.kill()
+        if state == "reaped":
+            child.wait()
+        else:
+            while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                time.sleep(0.01)
+    try:
+        peers = [("this", os.getpid()), ("this", child.pid), ("other", child.pid)]
+        assert dead_ranks(peers, "this") == ([] if state == "running" else [1])
+    finally:
+        child.kill()
+        child.wait()

@@ -64,6 +64,9 @@ def trace_path(path: str, pp_rank: int, pp_size: int) -> Path:
 
 
 class BalanceController:
+    settings_free = ("trace",)
+    """Settings a resumed run may change and keep this state (checkpoint.py compares the rest)."""
+
     def __init__(
         self,
         cfg: MegahetConfig,

@@ -228,9 +228,13 @@ def set_rng_states(states: dict) -> None:
 
 
 def _hook_settings(hook) -> dict | None:
-    """The settings a hook's state belongs to (its `cfg` dataclass, e.g. ResizeConfig), if any."""
+    """The settings a hook's state belongs to (its `cfg` dataclass, e.g. ResizeConfig), if any, less
+    those it names in `settings_free` (which do not shape its state, e.g. where a trace is written)."""
     cfg = getattr(hook, "cfg", None)
-    return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else None
+    if not dataclasses.is_dataclass(cfg):
+        return None
+    free = getattr(hook, "settings_free", ())
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in free}
 
 
 def _stateful_hooks(hooks: list) -> dict[str, object]:
@@ -458,7 +462,10 @@ def load(trainer, resume: Resume) -> float:
     set_rng_states(mine["rng"])
     for name, hook in _stateful_hooks(trainer.step_hooks).items():
         saved = mine["hooks"].get(name)
-        if saved is None or saved["settings"] != _hook_settings(hook):
+        free = getattr(hook, "settings_free", ())
+        if saved is None or _hook_settings(hook) != (
+            {k: v for k, v in saved["settings"].items() if k not in free} if saved["settings"] else None
+        ):
             trainer.logger.print(
                 f"megahet: checkpoint has no {name} state for these settings: it starts fresh"
             )

@@ -3,7 +3,7 @@
     python tools/convert_checkpoint.py consolidate --load ckpt --out model.pt
     python tools/convert_checkpoint.py export-hf --load ckpt --out hf_gpt2 [--tokenizer spm.model]
     python tools/convert_checkpoint.py export-vit --load vit_ckpt --out vit_dir
-    python tools/convert_checkpoint.py reshard --load ckpt --out ckpt_tp4 --tp 4 --pp 1 [--vocab-size V]
+    python tools/convert_checkpoint.py reshard --load ckpt --out ckpt_tp4 --tp 4 --pp 1 [--vocab-size V] [--with-optimizer]
 
 `--load` is a --train.save folder (its `latest`) or one DIR/iter_NNNNNNN. `consolidate` writes one
 unsharded fp32 state dict (TP=1 PP=1 names; torch.load it). `export-hf` writes a GPT2LMHeadModel with
@@ -12,7 +12,9 @@ checkpoints saved without one. The exports and `reshard` need the run's model se
 heads, LayerNorm epsilon, ...): checkpoints record them in megahet.json;
 for older ones pass the training run's `--config` and/or `--model.*` overrides. `reshard` writes a new
 weights-only checkpoint folder for `pretrain_*.py --train.load OUT --parallel.tp N --parallel.pp M`
-(any DP): weights, step and data position carry over, the optimizer and LR schedule restart.
+(any DP): weights, step and data position carry over, the optimizer and LR schedule restart; with
+`--with-optimizer` the ZeRO optimizer state (fp32 masters, Adam moments and step) and the LR schedule
+carry over too, per parameter (what a resumed run does by itself when its layout changed).
 `--vocab-size` (the tokenizer's vocabulary) is needed only when the GPT vocabulary's padding at the
 new TP is ambiguous (the error says so). See megahet/convert.py and docs/checkpoints.md.
 """
@@ -46,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pp", type=int, help="reshard: pipeline-parallel size of the new checkpoint")
     parser.add_argument("--vocab-size", type=int, help="reshard: the tokenizer's vocabulary (GPT), if asked")
     parser.add_argument(
+        "--with-optimizer",
+        action="store_true",
+        help="reshard: carry the ZeRO optimizer state and LR schedule",
+    )
+    parser.add_argument(
         "--tokenizer", type=Path, help="export-hf: the run's SentencePiece model, if the checkpoint has none"
     )
     args, rest = parser.parse_known_args(argv)
@@ -59,12 +66,23 @@ def main(argv: list[str] | None = None) -> int:
             if args.tp is None or args.pp is None:
                 raise ConfigError("reshard needs the new layout: pass --tp N --pp M")
             folder, meta, seconds = reshard(
-                args.load, args.out, args.tp, args.pp, model=given, vocab_size=args.vocab_size
+                args.load,
+                args.out,
+                args.tp,
+                args.pp,
+                model=given,
+                vocab_size=args.vocab_size,
+                optimizer=args.with_optimizer,
             )
             src = meta["resharded_from"]["layout"]
+            what = (
+                "with the optimizer state and LR schedule"
+                if args.with_optimizer
+                else "weights only (loading it restarts the optimizer)"
+            )
             print(
                 f"reshard: step {meta['iteration']}, TP {src['tp']} x PP {src['pp']} -> TP {args.tp} x PP "
-                f"{args.pp}, weights only (loading it restarts the optimizer) -> {folder} in {seconds:.2f} s"
+                f"{args.pp}, {what} -> {folder} in {seconds:.2f} s"
             )
             return 0
         state, meta = consolidate(args.load)

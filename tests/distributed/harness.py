@@ -46,6 +46,33 @@ GPT_MODEL = [
     "--model.attention_dropout",
     "0",
 ]
+
+
+def short_run(steps: int, *, eval_iters: int = 2, lr: str | None = None) -> list[str]:
+    """pretrain overrides of a short test run: micro-batch 2 of a global batch of 8, LR warm-up over 2
+    steps, a log line per step, one evaluation (at the end), no wandb."""
+    args = [
+        "--train.train_iters", str(steps),
+        "--train.micro_batch_size", "2",
+        "--train.global_batch_size", "8",
+        "--train.lr_warmup_iters", "2",
+        "--train.log_interval", "1",
+        "--train.eval_interval", str(steps),
+        "--train.eval_iters", str(eval_iters),
+        "--logging.wandb", "false",
+    ]  # fmt: skip
+    return args + (["--train.lr", lr] if lr else [])
+
+
+def read_records(path: Path) -> dict[int, dict]:
+    """pretrain's --logging.metrics_file by step (a step logged twice, as by a resumed run: its last values)."""
+    records: dict[int, dict] = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        records.setdefault(record.pop("step"), {}).update(record)
+    return records
+
+
 # Workers name parameters as the unsharded model does; with PP > 1 the last stage also holds the
 # tied copy of the word embedding under its own name.
 TIED_COPY, EMBEDDING = "output_layer.weight", "embedding.word_embeddings.weight"

@@ -17,7 +17,6 @@ Run: ``python -m pytest tests/distributed/test_checkpoint_resume.py -q``
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import GPT_MODEL, HERE, REPO, _kill_launch, compare, free_port, torchrun
+from harness import GPT_MODEL, HERE, REPO, _kill_launch, compare, free_port, read_records, torchrun
 
 STEPS = 8
 COMMON = [
@@ -113,21 +112,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory, gpt_data: list[str]) -> Path:
     return out
 
 
-def _records(path: Path) -> dict[int, dict]:
-    records: dict[int, dict] = {}
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
-        records.setdefault(record.pop("step"), {}).update(record)
-    return records
-
-
 def _rank(out: Path, name: str, rank: int) -> dict:
     return torch.load(out / f"{name}_rank{rank}.pt", weights_only=False)
 
 
 @pytest.mark.parametrize("kind", ["plain", "resized"])
 def test_resume_continues_the_loss_curve(runs: Path, kind: str) -> None:
-    full, resumed = _records(runs / f"full_{kind}.jsonl"), _records(runs / f"resumed_{kind}.jsonl")
+    full, resumed = read_records(runs / f"full_{kind}.jsonl"), read_records(runs / f"resumed_{kind}.jsonl")
     start = _rank(runs, f"resumed_{kind}", 0)["start"]
     assert 2 <= start < STEPS and sorted(resumed) == list(range(start + 1, STEPS + 1))
     for key in ("loss", "grad_norm", "lr"):
@@ -150,7 +141,7 @@ def test_resume_continues_the_loss_curve(runs: Path, kind: str) -> None:
             _rank(runs, f"full_{kind}", rank)["tensors"],
         )
     if kind == "plain":  # the killed run logged steps up to its checkpoint at least
-        assert max(_records(runs / "killed.jsonl")) >= start
+        assert max(read_records(runs / "killed.jsonl")) >= start
 
 
 @pytest.mark.parametrize("name", ["noplan", "otherplan"])

@@ -16,7 +16,6 @@ Run: ``python -m pytest tests/distributed/test_elastic.py -q``
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -26,22 +25,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import GPT_MODEL, REPO, _kill_launch, compare, free_port, torchrun
+from harness import GPT_MODEL, REPO, _kill_launch, compare, free_port, read_records, short_run, torchrun
 
 STEPS = 12
-COMMON = [
-    *GPT_MODEL,
-    "--parallel.tp", "2",
-    "--train.train_iters", str(STEPS),
-    "--train.micro_batch_size", "2",
-    "--train.global_batch_size", "8",
-    "--train.lr_warmup_iters", "2",
-    "--train.log_interval", "1",
-    "--train.eval_interval", "100",
-    "--train.eval_iters", "2",
-    "--train.save_interval", "4",
-    "--logging.wandb", "false",
-]  # fmt: skip
+COMMON = [*GPT_MODEL, *short_run(STEPS), "--parallel.tp", "2", "--train.save_interval", "4"]
 TIMEOUT = 300
 
 
@@ -49,14 +36,6 @@ def _env() -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WANDB_MODE="disabled")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     return env
-
-
-def _records(path: Path) -> dict[int, dict]:
-    records: dict[int, dict] = {}
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
-        records.setdefault(record.pop("step"), {}).update(record)
-    return records
 
 
 def _node(out: Path, name: str, port: int, args: list[str]) -> subprocess.Popen:
@@ -124,9 +103,11 @@ def elastic(tmp_path_factory: pytest.TempPathFactory, gpt_data: list[str]) -> di
 
 def test_shrinks_to_the_devices_left_and_stays_on_the_loss_curve(elastic: dict) -> None:
     log = elastic["log"]
-    assert "this world of 2 ranks runs TP 2 x PP 1 x DP 1: resharding it with its optimizer state" in log, log[-3000:]
+    assert "this world of 2 ranks runs TP 2 x PP 1 x DP 1: resharding it with its optimizer state" in log, (
+        log[-3000:]
+    )
     assert "megahet gpt: world 2 = TP 2 x PP 1 x DP 1" in log
-    reference, records = _records(elastic["out"] / "ref.jsonl"), _records(elastic["metrics"])
+    reference, records = read_records(elastic["out"] / "ref.jsonl"), read_records(elastic["metrics"])
     resharded = sorted(p.name for p in elastic["ck"].glob("iter_*"))
     assert any(name.startswith("iter_0000004_") for name in resharded), resharded  # beside the saved one
     assert "iter_0000004" in resharded and f"iter_{STEPS:07d}" in resharded

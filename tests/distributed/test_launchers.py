@@ -21,15 +21,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import GPT_MODEL, compare, deepspeed_cmd, launch, metrics_curves, torchrun
+from harness import GPT_MODEL, compare, deepspeed_cmd, launch, metrics_curves, short_run, torchrun
 
 STEPS = 5
 SCRIPT = "../../pretrain_gpt.py"  # relative to tests/distributed, as the harness takes workers
-TRAIN = (
-    "--train.micro_batch_size 2 --train.global_batch_size 8 --train.lr 5e-3 --train.lr_warmup_iters 2 "
-    f"--train.train_iters {STEPS} --train.log_interval 1 --train.eval_interval {STEPS} --train.eval_iters 1 "
-    "--parallel.zero_stage 1 --logging.wandb false"
-).split()
+TRAIN = [*short_run(STEPS, eval_iters=1, lr="5e-3"), "--parallel.zero_stage", "1"]
 WORLD = "world 2 = TP 1 x PP 1 x DP 2"  # pretrain_gpt's first line, printed by rank 0
 
 

@@ -39,15 +39,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import GPT_MODEL, compare, deepspeed_cmd, launch, metrics_curves, torchrun
+from harness import GPT_MODEL, compare, deepspeed_cmd, launch, metrics_curves, short_run, torchrun
 
 STEPS = 5
 SCRIPT = "../../pretrain_gpt.py"  # relative to tests/distributed, as the harness takes workers
-TRAIN = (
-    "--parallel.pp 2 --parallel.zero_stage 1 --train.micro_batch_size 2 --train.global_batch_size 8 "
-    f"--train.lr 5e-3 --train.lr_warmup_iters 2 --train.train_iters {STEPS} --train.log_interval 1 "
-    f"--train.eval_interval {STEPS} --train.eval_iters 1 --logging.wandb false"
-).split()
+TRAIN = [*short_run(STEPS, eval_iters=1, lr="5e-3"), "--parallel.pp", "2", "--parallel.zero_stage", "1"]
 WORLD = "world 4 = TP 1 x PP 2 x DP 2"  # pretrain_gpt's first line
 NEEDS = "needs root / CAP_NET_ADMIN and iproute2 to create network namespaces"
 MIN_SENT = 1_000_000  # bytes each host sends (measured: 3.6 MB): activations, gradients, tied embedding

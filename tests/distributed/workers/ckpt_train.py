@@ -1,17 +1,20 @@
 """Worker: pretrain_gpt runs for the checkpoint tests, one or more per launch (same processes, regrouped).
 
     torchrun --nproc_per_node 2 ckpt_train.py --out DIR --job plain="--parallel.tp 1 ..." \
-        [--job resized="..."] [--slow 0.3] -- <common config overrides>
+        [--job resized="..."] [--slow 0.3] [--fault resized:6:1 ...] -- <common config overrides>
 
 Each run is `setup(cfg, pretrain_gpt.SPEC)` then `Trainer.train()`, as `pretrain()` does. With
 --slow S every step sleeps S seconds after the optimizer step (a stateless step hook), so that a test
-can SIGKILL the launch between two checkpoints. After each run every rank saves its model's tensors
+can SIGKILL the launch between two checkpoints. With --fault NAME:STEP:RANK (one per torchrun restart
+k: the k-th applies in attempt k) that rank SIGKILLs itself in the middle of STEP of run NAME. After each run every rank saves its model's tensors
 (local names, after loading and training) as DIR/<run>_rank<R>.pt and {"iteration", "start"} with it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -24,6 +27,24 @@ from megatron.core import parallel_state as ps
 import pretrain_gpt
 from megahet.config import load_config
 from megahet.training import setup
+
+
+class KillAt:
+    """A step hook that SIGKILLs this rank in the middle of `step` (after its forward and backward,
+    before the optimizer step): a real crash, mid-collective for its peers."""
+
+    def __init__(self, step: int):
+        self.kill_step, self.step = step, 0
+
+    def before_forward_backward(self, step: int) -> None:
+        self.step = step
+
+    def before_step(self, engine) -> None:
+        if self.step == self.kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def after_step(self, engine) -> None:
+        pass
 
 
 class Sleep:
@@ -42,13 +63,26 @@ class Sleep:
         time.sleep(self.seconds)
 
 
-def run(name: str, argv: list[str], out: Path, slow: float) -> None:
+def fault_now(faults: list[str], name: str) -> int | None:
+    """The step at which this rank dies in run `name`: the fault of this torchrun attempt (the k-th
+    --fault NAME:STEP:RANK for restart k), if it is this run's and this rank's."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt >= len(faults):
+        return None
+    job, step, rank = faults[attempt].split(":")
+    return int(step) if job == name and int(rank) == dist.get_rank() else None
+
+
+def run(name: str, argv: list[str], out: Path, slow: float, faults: list[str] = ()) -> None:
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     trainer = setup(load_config(argv), pretrain_gpt.SPEC)
     start = trainer.iteration
     if slow:
         trainer.step_hooks.append(Sleep(slow))
+    kill_step = fault_now(list(faults), name)
+    if kill_step is not None:
+        trainer.step_hooks.append(KillAt(kill_step))
     trainer.train()
     trainer.logger.close()
     tensors = {
@@ -61,9 +95,10 @@ def run(name: str, argv: list[str], out: Path, slow: float) -> None:
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--slow", type=float, default=0.0)
+    parser.add_argument("--fault", action="append", default=[], help="NAME:STEP:RANK, one per restart")
     args, jobs = parse_jobs(argv, [], parser)
     for name, _, overrides in jobs:
-        run(name, overrides, args.out, args.slow)
+        run(name, overrides, args.out, args.slow, args.fault)
     dist.barrier()
     dist.destroy_process_group()
 

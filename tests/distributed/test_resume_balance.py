@@ -1,0 +1,111 @@
+"""Kill and resume with the balancer on, in every balance mode: the loss curve is the uninterrupted one.
+
+A TP=2 x DP=2 GPT (4 ranks) whose TP rank 1 is a virtual device at a quarter speed (slow enough, at a
+nominal 1 GFLOP/s, that its emulated time dominates the CPU's jitter), so that the balancer resizes
+(resize; semi with tolerance 0.7: its gap 0.6 is "mild"), migrates (migrate) or only measures
+(static + trace). Two launches of workers/ckpt_train.py, four runs each (about 2.5 min on 2 cores):
+1. uninterrupted: `full_<mode>`, STEPS steps, saving every 4;
+2. resumed and killed: `ck_<mode>` starts from a copy of full_<mode>'s step-4 checkpoint (its
+   balancer state: speed samples, targets, change count, efficiency window; the executed plan; RNG)
+   with `--train.save D --train.load D`, under `torchrun --max-restarts 4`. In attempt k one rank of
+   the k-th run SIGKILLs itself in the middle of step KILL_STEP (after backward, before the optimizer
+   step); torchrun restarts every rank, and each run resumes from its own latest checkpoint (step 8).
+Every run's per-step loss, gradient norm and LR from step 5 on, its final validation loss, and the
+plan it executed (dropped fraction and migrated units per TP rank, from the balancer's telemetry)
+must equal the uninterrupted run's. The hysteresis (0.4 of a rank's units) keeps measurement noise
+from moving a plan, so the plan a run executes depends on its restored state, not on timing: a
+balancer that lost its state plans again from nothing (even split for `window` steps) and differs.
+
+Run: ``python -m pytest tests/distributed/test_resume_balance.py -q``
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from harness import GPT_MODEL, compare, launch, read_records, short_run, torchrun, torchrun_cmd
+
+STEPS, KILL_STEP = 12, 10
+MODES = ("static", "resize", "migrate", "semi")
+COMMON = [
+    *GPT_MODEL,
+    *short_run(STEPS),
+    "--parallel.tp", "2",
+    "--train.save_interval", "4",
+    "--device.profile", "static:1,0.25",
+    "--device.rate_gflops", "1",
+    "--balance.hysteresis", "0.4",
+    "--balance.tolerance", "0.7",
+]  # fmt: skip
+PLAN_KEYS = ("gamma_tp0", "gamma_tp1", "moved_tp0", "moved_tp1")
+
+
+def _job(name: str, mode: str, out: Path, save: str, load: str | None = None) -> list[str]:
+    extra = f"--balance.mode {mode} --balance.trace {out / (name + '_trace.jsonl')}"
+    extra += f" --logging.metrics_file {out / (name + '.jsonl')} --train.save {out / save}"
+    return ["--job", f"{name}={extra}" + (f" --train.load {out / load}" if load else "")]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, gpt_data: list[str]) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("resume_balance")
+    common = ["--", *COMMON, *gpt_data]
+    full = [arg for mode in MODES for arg in _job(f"full_{mode}", mode, out, f"full_{mode}")]
+    torchrun("workers/ckpt_train.py", 4, ["--out", str(out), *full, *common], cwd=out, timeout=400)
+    resumed, faults = [], []
+    for k, mode in enumerate(MODES):
+        (out / f"ck_{mode}").mkdir()
+        shutil.copytree(out / f"full_{mode}" / "iter_0000004", out / f"ck_{mode}" / "iter_0000004")
+        (out / f"ck_{mode}" / "latest").write_text("iter_0000004")
+        resumed += _job(f"ck_{mode}", mode, out, f"ck_{mode}", load=f"ck_{mode}")
+        faults += ["--fault", f"ck_{mode}:{KILL_STEP}:{k}"]  # a different rank each time
+    output = launch(
+        lambda port: [[*torchrun_cmd(4, port), "--max_restarts=4", "--monitor_interval=0.5"]],
+        "workers/ckpt_train.py",
+        4,
+        ["--out", str(out), *faults, *resumed, *common],
+        cwd=out,
+        timeout=600,
+    )[0]
+    return out, output
+
+
+def test_every_fault_was_a_real_kill_and_restart(runs) -> None:
+    out, output = runs
+    assert output.count("exitcode  : -9") == len(MODES) or output.count("exitcode: -9") >= len(MODES), output[
+        -4000:
+    ]
+    for mode in MODES:
+        killed = [
+            line for line in (out / f"ck_{mode}.jsonl").read_text().splitlines() if '"step": 9,' in line
+        ]
+        assert len([line for line in killed if '"loss"' in line]) == 2, f"{mode}: step 9 not run twice"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_kill_and_resume_is_exact(runs, mode: str) -> None:
+    out, _ = runs
+    full, resumed = read_records(out / f"full_{mode}.jsonl"), read_records(out / f"ck_{mode}.jsonl")
+    steps = range(5, STEPS + 1)
+    assert all(s in resumed and "loss" in resumed[s] for s in steps), sorted(resumed)
+    if mode != "static":
+        plan = {k: [resumed[s][k] for s in steps] for k in PLAN_KEYS}
+        assert plan == {k: [full[s][k] for s in steps] for k in PLAN_KEYS}, (
+            f"{mode}: the executed plan differs"
+        )
+        assert any(v != 0 for values in plan.values() for v in values), f"{mode}: the balancer never acted"
+    for key in ("loss", "grad_norm", "lr"):
+        actual = torch.tensor([resumed[s][key] for s in steps], dtype=torch.float64)
+        expected = torch.tensor([full[s][key] for s in steps], dtype=torch.float64)
+        compare(f"kill_resume_{mode}", f"{key}, steps 5..{STEPS}", actual, expected, rtol=1e-6, atol=0)
+    compare(
+        f"kill_resume_{mode}",
+        "final val_loss",
+        torch.tensor(resumed[STEPS]["val_loss"]),
+        torch.tensor(full[STEPS]["val_loss"]),
+        rtol=1e-6,
+        atol=0,
+    )

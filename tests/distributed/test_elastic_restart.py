@@ -11,7 +11,7 @@ Two launches (about 2 min on 2 cores):
 The elastic job's losses after the restart must follow the reference within fp32 reduction noise (DP 1
 sums the micro-batch gradients in another order than DP 2), and the run must end at STEPS.
 
-Run: ``python -m pytest tests/distributed/test_elastic.py -q``
+Run: ``python -m pytest tests/distributed/test_elastic_restart.py -q``
 """
 
 from __future__ import annotations

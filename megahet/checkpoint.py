@@ -135,22 +135,34 @@ def find_resume(cfg: MegahetConfig) -> Resume | None:
     return Resume(path, meta, note)
 
 
-MODEL_SETTINGS_FREE = ("hidden_dropout", "attention_dropout", "init_method_std")
-"""Model settings a resumed run may change: the rest shape the weights."""
+MODEL_SETTINGS_FREE = ("hidden_dropout", "attention_dropout", "init_method_std", "layernorm_epsilon")
+"""Model settings a resumed run may change (regularization, initialization, numerics): the rest shape
+the weights."""
+
+
+def _shaping_settings(model: dict) -> dict:
+    """A recorded ModelConfig's settings that shape the weights (an unset ffn_hidden_size as its size)."""
+    shaping = {k: v for k, v in model.items() if k not in MODEL_SETTINGS_FREE}
+    if shaping.get("ffn_hidden_size") is None and "hidden_size" in shaping:
+        shaping["ffn_hidden_size"] = 4 * shaping["hidden_size"]
+    return shaping
 
 
 def check_model(resume: Resume, cfg: MegahetConfig, vocab_size: int | None) -> None:
-    """The checkpoint must hold this run's model: the same shaping model settings and vocabulary
-    (`vocab_size`: this run's tokenizer's; None for a task without one, e.g. ViT)."""
-    saved, now = resume.meta.get("model"), dataclasses.asdict(cfg.model)
-    if saved is None:  # saved before megahet recorded its model: DeepSpeed's strict load checks shapes
+    """The checkpoint must hold this run's model: the same shaping model settings (when it records
+    them) and vocabulary (`vocab_size`: this run's tokenizer's; None for a task without one, e.g. ViT)."""
+    saved = resume.meta.get("model")
+    if saved is not None:
+        recorded, now = _shaping_settings(saved), _shaping_settings(dataclasses.asdict(cfg.model))
+        for key, value in now.items():
+            if key in recorded and recorded[key] != value:
+                raise ConfigError(
+                    f"train.load: checkpoint {resume.path} holds another model (model.{key} {recorded[key]}, "
+                    f"this run has {value}): resume with the run's own --model settings, or start fresh "
+                    f"without --train.load"
+                )
+    if "vocab_size" not in resume.meta and saved is None:  # saved before megahet recorded either
         return
-    for key, value in now.items():
-        if key in saved and key not in MODEL_SETTINGS_FREE and saved[key] != value:
-            raise ConfigError(
-                f"train.load: checkpoint {resume.path} holds another model (model.{key} {saved[key]}, this run "
-                f"has {value}): resume with the run's own --model settings, or start fresh without --train.load"
-            )
     saved_vocab = resume.meta.get("vocab_size")
     if (saved_vocab is None) != (vocab_size is None):
         kind = "a model with a vocabulary (GPT)" if saved_vocab is not None else "a model without one (ViT)"

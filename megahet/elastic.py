@@ -33,8 +33,8 @@ from megahet.config_checks import validate
 
 
 def needs_reshard(resume: Resume | None, cfg: MegahetConfig, world: int) -> bool:
-    """A full checkpoint whose TP x PP x DP x ZeRO layout is not this run's (weights-only checkpoints
-    load at any DP, with their own TP x PP)."""
+    """A full checkpoint whose TP x PP x DP x ZeRO layout is not the one `cfg` runs at this world size
+    (weights-only checkpoints load at any DP, with their own TP x PP; resharded ones at any DP)."""
     if resume is None or resume.meta.get("weights_only"):
         return False
     saved, p = resume.meta["layout"], cfg.parallel
@@ -44,17 +44,21 @@ def needs_reshard(resume: Resume | None, cfg: MegahetConfig, world: int) -> bool
     return not fits or saved != layout_of(cfg, world // (p.tp * p.pp))
 
 
+def _with_layout(cfg: MegahetConfig, tp: int, pp: int) -> MegahetConfig:
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp, pp=pp))
+
+
 def _fits(cfg: MegahetConfig, tp: int, pp: int, world: int) -> bool:
-    candidate = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp, pp=pp))
     try:
-        validate(candidate, world)
+        validate(_with_layout(cfg, tp, pp), world)
     except ConfigError:
         return False
     return True
 
 
 def fit_layout(cfg: MegahetConfig, world: int) -> tuple[int, int]:
-    """(TP, PP) for this world: the run's own if it fits, else the largest TP' x PP' <= it that does."""
+    """(TP, PP) for this world: the run's own if it fits, else the largest TP' x PP' <= it that does.
+    When none does, the configuration is wrong beyond its layout: TP 1 x PP 1's own error says how."""
     p = cfg.parallel
     if _fits(cfg, p.tp, p.pp, world):
         return p.tp, p.pp
@@ -65,34 +69,35 @@ def fit_layout(cfg: MegahetConfig, world: int) -> tuple[int, int]:
         if _fits(cfg, tp, pp, world)
     ]
     if not candidates:
-        raise ConfigError(
-            f"train.load: no TP x PP up to TP {p.tp} x PP {p.pp} fits a world of {world} ranks with this "
-            f"configuration (global batch, micro-batch, heads, layers): launch more ranks or change them"
-        )
+        validate(_with_layout(cfg, 1, 1), world)  # raises the error that no layout can avoid
+        raise AssertionError("unreachable: TP 1 x PP 1 is a candidate")
     _, tp, pp = max(candidates)
     return tp, pp
 
 
-def plan_resume(cfg: MegahetConfig, resume: Resume | None, world: int) -> tuple[MegahetConfig, str | None]:
-    """The configuration to run (its TP x PP fitted to the world when the checkpoint must be
-    resharded) and a line saying what will happen, or (cfg, None) when nothing changes."""
-    if not needs_reshard(resume, cfg, world):
-        return cfg, None
+def plan_resume(
+    cfg: MegahetConfig, resume: Resume | None, world: int
+) -> tuple[MegahetConfig, str | None, bool]:
+    """(the configuration to run, a line saying what happens or None, whether to reshard). A full or
+    resharded checkpoint resumes at the run's TP x PP fitted to the world; it is resharded when its
+    layout is not that one (a checkpoint already resharded for this world is not resharded again)."""
+    if resume is None or resume.meta.get("weights_only"):
+        return cfg, None, False
     tp, pp = fit_layout(cfg, world)
+    fitted, dp = _with_layout(cfg, tp, pp), world // (tp * pp)
+    reshard = needs_reshard(resume, fitted, world)
+    own = (tp, pp) == (cfg.parallel.tp, cfg.parallel.pp)
+    if not reshard and own:
+        return cfg, None, False
     saved = resume.meta["layout"]
-    fitted = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp, pp=pp))
-    dp = world // (tp * pp)
-    changed = (
-        ""
-        if (tp, pp) == (cfg.parallel.tp, cfg.parallel.pp)
-        else (f" (TP {cfg.parallel.tp} x PP {cfg.parallel.pp} does not fit {world} ranks)")
-    )
     old = f"TP {saved['tp']} x PP {saved['pp']}" + (f" x DP {saved['dp']}" if "dp" in saved else "")
+    why = "" if own else f" (TP {cfg.parallel.tp} x PP {cfg.parallel.pp} does not fit {world} ranks)"
+    what = "resharding it with its optimizer state" if reshard else "as it was saved"
     note = (
         f"{resume.path} was saved at {old}; this world of {world} ranks runs TP {tp} x PP {pp} x DP {dp}"
-        f"{changed}: resharding it with its optimizer state"
+        f"{why}: {what}"
     )
-    return fitted, note
+    return fitted, note, reshard
 
 
 def reshard_checkpoint(cfg: MegahetConfig, resume: Resume, rank: int) -> Resume:

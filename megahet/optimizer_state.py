@@ -26,16 +26,25 @@ TENSOR_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 """Per-parameter tensors: the fp32 master weight and Adam's two moments."""
 
 
+def _dp_rank(file: Path) -> int:
+    return int(file.name.split("zero_pp_rank_")[1].split("_")[0])
+
+
 def zero_files(folder: Path, mp_rank: int) -> list[Path]:
-    """This model-parallel rank's ZeRO shard files, in DP order."""
-    files = sorted(
-        folder.glob(f"*zero_pp_rank_*_mp_rank_{mp_rank:02d}_optim_states.pt"),
-        key=lambda p: int(p.name.split("zero_pp_rank_")[1].split("_")[0]),
-    )
+    """This model-parallel rank's ZeRO shard files, in DP order (checked to be DP ranks 0..N-1 of one
+    kind: bf16_ or not)."""
+    files = sorted(folder.glob(f"*zero_pp_rank_*_mp_rank_{mp_rank:02d}_optim_states.pt"), key=_dp_rank)
     if not files:
         raise ConfigError(
             f"train.load: {folder} has no ZeRO optimizer shards for mp_rank_{mp_rank:02d}: it cannot be "
             f"resharded with its optimizer state (a weights-only checkpoint restarts the optimizer)"
+        )
+    kinds = {f.name.split("zero_pp_rank_")[0] for f in files}
+    ranks = [_dp_rank(f) for f in files]
+    if len(kinds) > 1 or ranks != list(range(len(files))):
+        raise ConfigError(
+            f"train.load: {folder}'s ZeRO shards of mp_rank_{mp_rank:02d} are not one set of DP ranks 0..N-1 "
+            f"({[f.name for f in files]}): the checkpoint is incomplete or mixed; resume from another one"
         )
     return files
 
@@ -64,7 +73,8 @@ def read_zero_state(folder: Path, mp_rank: int) -> dict:
     shape_of = {name: shape for group in shapes for name, shape in group.items()}
     fragments: dict[str, dict[str, list[torch.Tensor]]] = {key: {} for key in TENSOR_KEYS}
     step = None
-    for file in zero_files(folder, mp_rank):
+    files = zero_files(folder, mp_rank)
+    for file in files:
         saved = load_checkpoint_file(file)["optimizer_state_dict"]
         for g, (fp32, adam, mapping) in enumerate(
             zip(saved["single_partition_of_fp32_groups"], _group_states(saved), saved["param_slice_mappings"])
@@ -74,6 +84,12 @@ def read_zero_state(folder: Path, mp_rank: int) -> dict:
             for name, address in mapping.items():  # (numel, start) of the parameter in this partition
                 for key, buffer in flat.items():
                     fragments[key].setdefault(name, []).append(buffer.narrow(0, address.start, address.numel))
+    missing = sorted(set(shape_of) - set(fragments["fp32"]))
+    if missing or len(files) != saved.get("partition_count", [len(files)])[0]:
+        raise ConfigError(
+            f"train.load: {folder} mp_rank_{mp_rank:02d}: the ZeRO shards ({len(files)} DP ranks) do not hold "
+            f"every parameter ({missing[:1] or 'partition count'} missing): the checkpoint is incomplete"
+        )
     state: dict = {"step": step, "lr": _group_lrs(saved)}
     for key, by_name in fragments.items():
         state[key] = {}

@@ -275,23 +275,24 @@ def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
     user_ds = fold_deepspeed_json(cfg)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     resume = checkpoint.find_resume(cfg)
-    cfg, reshard_note = plan_resume(cfg, resume, world)  # another layout: TP x PP fitted to this world
+    if resume is not None:
+        checkpoint.check_model(resume, cfg, spec.vocab_size(cfg))
+    cfg, layout_note, reshard = plan_resume(cfg, resume, world)  # TP x PP fitted to this world
     dp_size = validate(cfg, world)
     if cfg.train.precision == "bf16" and cuda_available() and not torch.cuda.is_bf16_supported():
         raise ConfigError("train.precision=bf16 is not supported by this GPU: use train.precision=fp32")
     spec.preflight(cfg)
     if resume is not None:
-        checkpoint.check_model(resume, cfg, spec.vocab_size(cfg))
-        if reshard_note is None:
+        if not reshard:
             checkpoint.check_compatible(resume, cfg, dp_size)
-        for note in (resume.note, reshard_note):
+        for note in (resume.note, layout_note):
             if note and int(os.environ.get("RANK", "0")) == 0:  # once, before any rank starts work
                 print(f"megahet: {note}", flush=True)
     layout = initialize_parallel(
         cfg.parallel.tp, cfg.parallel.pp, cfg.train.seed, cfg.parallel.distributed_timeout_minutes
     )
     record_peers()
-    if reshard_note is not None:
+    if reshard:
         resume = reshard_checkpoint(cfg, resume, layout.rank)
     if layout.rank == 0:
         spec.prepare(cfg)

@@ -1,0 +1,516 @@
+"""Tests of elastic resume's policy and its building blocks on one process (no process group):
+
+- megahet.elastic: `needs_reshard` (same layout, another DP, ZeRO stage, TP x PP; weights-only and
+  per-parameter checkpoints), `fit_layout` (the run's own TP x PP when it fits the world, else the
+  largest TP' x PP' that passes every configuration check, ties to the larger TP; a one-line
+  ConfigError naming train.load when none does) and `plan_resume` (the fitted configuration and the
+  note naming the saved and the new layout);
+- megahet.checkpoint.check_model: a checkpoint of another model (shaping settings) or vocabulary is a
+  one-line ConfigError, dropout / init settings may change, old checkpoints without "model" pass;
+- megahet.optimizer_state: `read_zero_state` merging a hand-made DeepSpeed ZeRO-1/2 checkpoint (two DP
+  shards, a parameter spanning both, two param groups) into full tensors with Adam's step and the LRs,
+  the one-line errors for a missing shard or no shards, and `zero_files`' numeric DP order.
+
+Run: ``python -m pytest tests/unit/test_elastic.py -q`` (a few seconds, mostly imports).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+from deepspeed.utils.tensor_fragment import fragment_address
+
+from megahet.checkpoint import MODEL_SETTINGS_FREE, Resume, check_model, model_states_file
+from megahet.config import ConfigError, MegahetConfig, load_config
+from megahet.config_checks import validate
+from megahet.elastic import fit_layout, needs_reshard, plan_resume
+from megahet.optimizer_state import read_zero_state, zero_files
+
+
+def _cfg(*argv: str) -> MegahetConfig:
+    return load_config(list(argv))
+
+
+def _resume(layout: dict, path: str = "/ck/iter_0000020", **meta: object) -> Resume:
+    return Resume(Path(path), {"iteration": 20, "consumed_samples": 320, "layout": layout, **meta})
+
+
+def _full(tp: int, pp: int, dp: int, zero_stage: int = 1) -> dict:
+    return {"tp": tp, "pp": pp, "dp": dp, "zero_stage": zero_stage}
+
+
+def _one_line_error(excinfo: pytest.ExceptionInfo) -> str:
+    message = str(excinfo.value)
+    assert "\n" not in message, message
+    return message
+
+
+# --- needs_reshard ---------------------------------------------------------------------------------
+
+
+def test_no_checkpoint_never_reshards() -> None:
+    assert not needs_reshard(None, _cfg(), 4)
+    assert plan_resume(_cfg(), None, 4)[1] is None
+
+
+@pytest.mark.parametrize(
+    "argv, world, layout",
+    [
+        ((), 1, _full(1, 1, 1)),
+        (("--parallel.tp", "2"), 4, _full(2, 1, 2)),
+        (("--parallel.tp", "2", "--parallel.pp", "2"), 8, _full(2, 2, 2)),
+        (("--parallel.zero_stage", "2"), 4, _full(1, 1, 4, zero_stage=2)),
+    ],
+)
+def test_same_layout_does_not_reshard(argv: tuple, world: int, layout: dict) -> None:
+    cfg = _cfg(*argv)
+    resume = _resume(layout)
+    assert not needs_reshard(resume, cfg, world)
+    fitted, note, _ = plan_resume(cfg, resume, world)
+    assert fitted is cfg and note is None
+
+
+def test_other_dp_reshards_keeping_tp_pp() -> None:
+    """4 -> 2 ranks at TP 2: TP 2 x PP 1 still fits, only DP changes (2 -> 1)."""
+    cfg, resume = _cfg("--parallel.tp", "2"), _resume(_full(2, 1, 2))
+    assert needs_reshard(resume, cfg, 2)
+    assert fit_layout(cfg, 2) == (2, 1)
+    fitted, note, _ = plan_resume(cfg, resume, 2)
+    assert (fitted.parallel.tp, fitted.parallel.pp) == (2, 1)
+    assert validate(fitted, 2) == 1
+    assert note is not None and "\n" not in note
+    assert "/ck/iter_0000020 was saved at TP 2 x PP 1 x DP 2" in note
+    assert "runs TP 2 x PP 1 x DP 1" in note
+    assert "does not fit" not in note  # the run's own TP x PP is kept
+
+
+def test_more_ranks_reshard_to_larger_dp() -> None:
+    cfg, resume = _cfg("--parallel.tp", "2"), _resume(_full(2, 1, 1))
+    assert needs_reshard(resume, cfg, 8)
+    fitted, note, _ = plan_resume(cfg, resume, 8)
+    assert (fitted.parallel.tp, fitted.parallel.pp) == (2, 1)
+    assert "runs TP 2 x PP 1 x DP 4" in note
+
+
+def test_zero_stage_change_alone_reshards() -> None:
+    cfg = _cfg("--parallel.zero_stage", "2")
+    resume = _resume(_full(1, 1, 2, zero_stage=1))
+    assert needs_reshard(resume, cfg, 2)
+    fitted, note, _ = plan_resume(cfg, resume, 2)
+    assert fitted.parallel == cfg.parallel  # same TP x PP, same ZeRO stage as configured
+    assert note is not None and "TP 1 x PP 1 x DP 2" in note
+
+
+def test_tp_change_reshards() -> None:
+    cfg, resume = _cfg("--parallel.tp", "2"), _resume(_full(1, 1, 4))
+    assert needs_reshard(resume, cfg, 4)
+
+
+@pytest.mark.parametrize("cfg_tp, world", [(4, 2), (2, 2), (1, 3), (2, 8)])
+def test_weights_only_never_reshards(cfg_tp: int, world: int) -> None:
+    """Weights-only checkpoints load at any DP with their own TP x PP: never resharded here, even
+    when the run's TP x PP does not fit the world (check_compatible then names the reshard command)."""
+    cfg = _cfg("--parallel.tp", str(cfg_tp))
+    resume = _resume({"tp": 4, "pp": 1}, weights_only=True)
+    assert not needs_reshard(resume, cfg, world)
+    fitted, note, _ = plan_resume(cfg, resume, world)
+    assert fitted is cfg and note is None
+
+
+def test_per_parameter_reshards_only_for_other_tp_pp() -> None:
+    resume = _resume({"tp": 2, "pp": 1}, optimizer="per_parameter")
+    for world in (2, 4, 8):  # any DP, any ZeRO stage
+        assert not needs_reshard(resume, _cfg("--parallel.tp", "2"), world)
+        assert not needs_reshard(resume, _cfg("--parallel.tp", "2", "--parallel.zero_stage", "2"), world)
+    assert needs_reshard(resume, _cfg(), 2)  # TP 1
+    assert needs_reshard(resume, _cfg("--parallel.tp", "2", "--parallel.pp", "2"), 4)
+    fitted, note, _ = plan_resume(_cfg(), resume, 2)
+    assert (fitted.parallel.tp, fitted.parallel.pp) == (1, 1)
+    assert "saved at TP 2 x PP 1;" in note  # a per-parameter layout has no DP
+    assert "runs TP 1 x PP 1 x DP 2" in note
+
+
+# --- fit_layout ------------------------------------------------------------------------------------
+
+
+def test_own_layout_kept_when_it_fits() -> None:
+    cfg = _cfg("--parallel.tp", "2", "--parallel.pp", "2")
+    assert fit_layout(cfg, 4) == (2, 2)
+    assert fit_layout(cfg, 8) == (2, 2)
+
+
+def test_tp_pp_that_does_not_fit_prefers_larger_tp_on_a_tie() -> None:
+    """TP 2 x PP 2 on 2 ranks: TP 2 x PP 1 and TP 1 x PP 2 both fit (product 2); TP wins the tie."""
+    cfg = _cfg("--parallel.tp", "2", "--parallel.pp", "2")
+    resume = _resume(_full(2, 2, 1))
+    assert needs_reshard(resume, cfg, 2)
+    assert fit_layout(cfg, 2) == (2, 1)
+    fitted, note, _ = plan_resume(cfg, resume, 2)
+    assert (fitted.parallel.tp, fitted.parallel.pp) == (2, 1)
+    assert dataclasses.replace(fitted, parallel=cfg.parallel) == cfg  # nothing else changed
+    assert (cfg.parallel.tp, cfg.parallel.pp) == (2, 2)  # the run's configuration is not mutated
+    assert note is not None and "\n" not in note
+    assert "saved at TP 2 x PP 2 x DP 1" in note
+    assert "runs TP 2 x PP 1 x DP 1" in note
+    assert "(TP 2 x PP 2 does not fit 2 ranks)" in note
+
+
+def test_tp4_on_two_ranks_takes_tp2() -> None:
+    cfg = _cfg("--parallel.tp", "4")
+    resume = _resume(_full(4, 1, 1))
+    assert needs_reshard(resume, cfg, 2)
+    fitted, note, _ = plan_resume(cfg, resume, 2)
+    assert (fitted.parallel.tp, fitted.parallel.pp) == (2, 1)
+    assert "runs TP 2 x PP 1 x DP 1" in note and "(TP 4 x PP 1 does not fit 2 ranks)" in note
+
+
+def _fits(cfg: MegahetConfig, tp: int, pp: int, world: int) -> bool:
+    try:
+        validate(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp, pp=pp)), world)
+    except ConfigError:
+        return False
+    return True
+
+
+_HEADS_12 = ("--model.hidden_size", "96", "--model.num_attention_heads", "12")
+
+
+def test_largest_product_wins_over_larger_tp() -> None:
+    """TP 4 x PP 2 on 12 ranks (8 does not divide 12), 12 heads, 2 layers: TP 4 x PP 1 (product 4)
+    fits, but TP 3 x PP 2 (product 6) is larger, and wins although its TP is smaller."""
+    cfg = _cfg(
+        "--parallel.tp", "4", "--parallel.pp", "2", "--model.num_layers", "2",
+        "--model.hidden_size", "96", "--model.num_attention_heads", "12", "--model.ffn_hidden_size", "384",
+        "--train.global_batch_size", "24", "--train.micro_batch_size", "4",
+    )  # fmt: skip
+    assert _fits(cfg, 4, 1, 12)
+    assert fit_layout(cfg, 12) == (3, 2)
+
+
+@pytest.mark.parametrize(
+    "argv, world, expected",
+    [
+        # TP 3 divides 12 heads and the MLP (4 * 96): taken on 3 ranks
+        (_HEADS_12, 3, (3, 1)),
+        # TP 3 does not divide 4 heads: TP 1 x DP 3
+        (("--model.hidden_size", "96", "--model.num_attention_heads", "4"), 3, (1, 1)),
+        # TP 3 divides 12 heads but not the MLP size 100: TP 1 x DP 3
+        ((*_HEADS_12, "--model.ffn_hidden_size", "100"), 3, (1, 1)),
+        # TP 4 would fit 4 ranks but does not divide the MLP size 130: TP 2 x DP 2
+        (("--model.ffn_hidden_size", "130", "--train.global_batch_size", "24"), 4, (2, 1)),
+    ],
+)
+def test_fit_respects_heads_and_mlp_divisibility(argv: tuple, world: int, expected: tuple) -> None:
+    cfg = _cfg(
+        "--parallel.tp", "4", "--train.global_batch_size", "12", "--train.micro_batch_size", "4", *argv
+    )
+    tp, pp = fit_layout(cfg, world)
+    assert (tp, pp) == expected
+    assert _fits(cfg, tp, pp, world)
+
+
+@pytest.mark.parametrize("layers, expected", [(12, (1, 3)), (8, (1, 1))])
+def test_fit_respects_layer_divisibility(layers: int, expected: tuple) -> None:
+    """PP 4 on 3 ranks: PP 3 only when it divides the layers."""
+    cfg = _cfg(
+        "--parallel.pp", "4", "--model.num_layers", str(layers),
+        "--train.global_batch_size", "12", "--train.micro_batch_size", "4",
+    )  # fmt: skip
+    assert fit_layout(cfg, 3) == expected
+
+
+@pytest.mark.parametrize("global_batch, expected", [(24, (2, 1)), (48, (3, 1))])
+def test_fit_respects_the_global_batch(global_batch: int, expected: tuple) -> None:
+    """TP 4 on 12 ranks with an MLP (390) TP 4 does not divide: TP 3 means DP 4, and global batch 24 at
+    micro-batch 4 is not a multiple of 4 * 4, so TP 3 must not be chosen (TP 2 x DP 6: 24 = 4 * 6);
+    at global batch 48 TP 3 x DP 4 is."""
+    cfg = _cfg(
+        "--parallel.tp", "4", "--model.hidden_size", "96", "--model.num_attention_heads", "12",
+        "--model.ffn_hidden_size", "390", "--train.micro_batch_size", "4",
+        "--train.global_batch_size", str(global_batch),
+    )  # fmt: skip
+    assert fit_layout(cfg, 12) == expected
+
+
+def test_no_layout_when_the_batch_allows_none() -> None:
+    """TP 4 on 4 ranks with an MLP (129) only TP 1 divides: TP 1 means DP 4, which global batch 8 at
+    micro-batch 4 does not allow (8 % 16): no layout, and TP 1's own error says why; at global batch 16
+    TP 1 x DP 4 is chosen."""
+    argv = ("--parallel.tp", "4", "--model.ffn_hidden_size", "129", "--train.micro_batch_size", "4")
+    with pytest.raises(ConfigError) as excinfo:
+        fit_layout(_cfg(*argv, "--train.global_batch_size", "8"), 4)
+    assert _one_line_error(excinfo).startswith("train.global_batch_size 8 is not a multiple")
+    assert fit_layout(_cfg(*argv, "--train.global_batch_size", "16"), 4) == (1, 1)
+
+
+def test_no_layout_fits_is_the_configurations_own_one_line_error() -> None:
+    """TP 4 on 3 ranks, 4 heads: TP 3 does not divide the heads, TP 2 not the world, TP 1 is DP 3 and
+    global batch 16 is not a multiple of 4 * 3: the error no layout can avoid, not a layout error."""
+    cfg = _cfg("--parallel.tp", "4")
+    resume = _resume(_full(4, 1, 1))
+    with pytest.raises(ConfigError) as excinfo:
+        plan_resume(cfg, resume, 3)
+    message = _one_line_error(excinfo)
+    assert message.startswith("train.global_batch_size 16 is not a multiple") and "* 3" in message
+
+
+def test_a_non_layout_error_is_not_hidden_behind_the_layout() -> None:
+    """A configuration wrong beyond its layout (min_lr above lr) says so, even when a reshard is due."""
+    cfg = _cfg("--parallel.tp", "2", "--train.min_lr", "1", "--train.lr", "0.1")
+    with pytest.raises(ConfigError) as excinfo:
+        plan_resume(cfg, _resume(_full(2, 1, 2)), 2)
+    assert "min_lr" in _one_line_error(excinfo)
+
+
+def test_a_checkpoint_resharded_for_this_world_is_not_resharded_again() -> None:
+    """TP 4 configured, 2 ranks: a checkpoint saved at TP 2 x DP 1 (after an earlier shrink) resumes
+    as it is, at TP 2, without a reshard."""
+    cfg = _cfg("--parallel.tp", "4")
+    for resume in (_resume(_full(2, 1, 1)), _resume({"tp": 2, "pp": 1}, optimizer="per_parameter")):
+        fitted, note, reshard = plan_resume(cfg, resume, 2)
+        assert (fitted.parallel.tp, fitted.parallel.pp, reshard) == (2, 1, False)
+        assert "as it was saved" in note
+
+
+# --- check_model -----------------------------------------------------------------------------------
+
+
+def _saved_model(cfg: MegahetConfig, vocab_size: int | None = 8192, **meta: object) -> Resume:
+    extra = {"model": dataclasses.asdict(cfg.model), **meta}
+    if vocab_size is not None:
+        extra["vocab_size"] = vocab_size
+    return _resume(_full(1, 1, 1), **extra)
+
+
+def test_check_model_same_model_passes() -> None:
+    cfg = _cfg("--model.hidden_size", "64", "--model.num_layers", "2")
+    check_model(_saved_model(cfg), cfg, 8192)
+    check_model(_saved_model(cfg, vocab_size=None), cfg, None)  # a task without vocabulary (ViT)
+
+
+@pytest.mark.parametrize(
+    "key, saved, now",
+    [("hidden_size", 128, 64), ("num_layers", 4, 2), ("seq_length", 128, 256), ("num_attention_heads", 4, 8)],
+)
+def test_check_model_refuses_another_shape(key: str, saved: int, now: int) -> None:
+    before = _cfg(f"--model.{key}", str(saved))
+    resume = _saved_model(before)
+    with pytest.raises(ConfigError) as excinfo:
+        check_model(resume, _cfg(f"--model.{key}", str(now)), 8192)
+    message = _one_line_error(excinfo)
+    assert message.startswith("train.load:")
+    assert f"model.{key} {saved}" in message and f"this run has {now}" in message
+    assert str(resume.path) in message
+
+
+@pytest.mark.parametrize(
+    "key, value", [("hidden_dropout", "0.1"), ("attention_dropout", "0.2"), ("init_method_std", "0.01")]
+)
+def test_check_model_allows_free_settings(key: str, value: str) -> None:
+    assert key in MODEL_SETTINGS_FREE
+    resume = _saved_model(_cfg())
+    check_model(resume, _cfg(f"--model.{key}", value), 8192)
+
+
+def test_check_model_old_checkpoint_without_model_passes() -> None:
+    check_model(_resume(_full(1, 1, 1)), _cfg("--model.hidden_size", "64"), 8192)
+
+
+def test_check_model_refuses_another_vocabulary() -> None:
+    cfg = _cfg()
+    with pytest.raises(ConfigError) as excinfo:
+        check_model(_saved_model(cfg, vocab_size=8192), cfg, 4096)
+    message = _one_line_error(excinfo)
+    assert message.startswith("train.load:") and "8192" in message and "4096" in message
+
+
+def test_check_model_refuses_gpt_into_a_task_without_vocabulary_and_back() -> None:
+    cfg = _cfg()
+    with pytest.raises(ConfigError) as excinfo:
+        check_model(_saved_model(cfg, vocab_size=8192), cfg, None)  # GPT checkpoint, ViT run
+    assert "with a vocabulary" in _one_line_error(excinfo)
+    with pytest.raises(ConfigError) as excinfo:
+        check_model(_saved_model(cfg, vocab_size=None), cfg, 8192)  # ViT checkpoint, GPT run
+    assert "without one" in _one_line_error(excinfo)
+
+
+# --- read_zero_state on a hand-made DeepSpeed ZeRO-1/2 checkpoint ---------------------------------
+
+# Two param groups over DP 2 (as DeepSpeed's stage_1_and_2 lays them out: each group's flat buffer,
+# padded to a multiple of DP, split into equal partitions; a parameter may span two partitions).
+# Group 0: a.weight (2, 3) + a.bias (3,) = 9 values -> partitions of 5 (1 padding value on rank 1):
+#   rank 0: a.weight[0:5]            rank 1: a.weight[5:6], a.bias[0:3], padding
+# Group 1: b.weight (4,) -> partitions of 2: rank 0 b.weight[0:2], rank 1 b.weight[2:4].
+SHAPES = [
+    OrderedDict([("a.weight", torch.Size([2, 3])), ("a.bias", torch.Size([3]))]),
+    OrderedDict([("b.weight", torch.Size([4]))]),
+]
+MAPPINGS = [  # [dp_rank][group]: name -> (numel, start) in that partition
+    [
+        OrderedDict([("a.weight", fragment_address(numel=5, start=0))]),
+        OrderedDict([("b.weight", fragment_address(numel=2, start=0))]),
+    ],
+    [
+        OrderedDict([("a.weight", fragment_address(numel=1, start=0)), ("a.bias", fragment_address(3, 1))]),
+        OrderedDict([("b.weight", fragment_address(numel=2, start=0))]),
+    ],
+]
+PARTITION, LRS, STEP = [5, 2], [1e-3, 2e-3], 7
+
+
+def _originals() -> dict[str, dict[str, torch.Tensor]]:
+    """Distinct full tensors per key so that a mix-up of keys, names or order shows."""
+    out, base = {}, {"fp32": 0.0, "exp_avg": 100.0, "exp_avg_sq": 200.0}
+    for key, offset in base.items():
+        out[key] = {}
+        counter = offset
+        for group in SHAPES:
+            for name, shape in group.items():
+                out[key][name] = torch.arange(counter, counter + shape.numel()).view(shape).float()
+                counter += shape.numel()
+    return out
+
+
+def _flat_partition(tensors: dict[str, torch.Tensor], group: int, dp_rank: int, pad: bool) -> torch.Tensor:
+    flat = torch.cat([tensors[name].flatten() for name in SHAPES[group]])
+    size = PARTITION[group]
+    flat = torch.cat([flat, torch.full((size * 2 - flat.numel(),), -1.0)])  # padding values: -1
+    part = flat[dp_rank * size : (dp_rank + 1) * size].clone()
+    if not pad and dp_rank == 1:  # single_partition_of_fp32_groups is saved without the group's padding
+        part = part[: sum(shape.numel() for shape in SHAPES[group].values()) - size]
+    return part
+
+
+def _write_zero_checkpoint(folder: Path, dp_ranks=(0, 1), mp_rank: int = 0) -> dict:
+    folder.mkdir(parents=True, exist_ok=True)
+    originals = _originals()
+    torch.save({"module": {}, "param_shapes": SHAPES}, folder / model_states_file(mp_rank))
+    for dp in dp_ranks:
+        state = {
+            g: {
+                "step": torch.tensor(float(STEP)),
+                "exp_avg": _flat_partition(originals["exp_avg"], g, dp, pad=True),
+                "exp_avg_sq": _flat_partition(originals["exp_avg_sq"], g, dp, pad=True),
+            }
+            for g in range(len(SHAPES))
+        }
+        optimizer_state_dict = {
+            "single_partition_of_fp32_groups": [
+                _flat_partition(originals["fp32"], g, dp, pad=False) for g in range(len(SHAPES))
+            ],
+            "base_optimizer_state": {
+                "state": state,
+                "param_groups": [{"lr": lr, "params": [g]} for g, lr in enumerate(LRS)],
+            },
+            "param_slice_mappings": MAPPINGS[dp],
+            "partition_count": [2, 2],
+        }
+        name = f"zero_pp_rank_{dp}_mp_rank_{mp_rank:02d}_optim_states.pt"
+        torch.save({"optimizer_state_dict": optimizer_state_dict, "ds_version": "0.19"}, folder / name)
+    return originals
+
+
+def test_hand_made_checkpoint_layout_is_consistent(tmp_path: Path) -> None:
+    """The fixture itself: fp32 partitions without padding, a.weight spanning both DP ranks."""
+    _write_zero_checkpoint(tmp_path)
+    rank1 = torch.load(tmp_path / "zero_pp_rank_1_mp_rank_00_optim_states.pt", weights_only=False)
+    fp32 = rank1["optimizer_state_dict"]["single_partition_of_fp32_groups"]
+    assert [t.numel() for t in fp32] == [4, 2]
+    assert not (fp32[0] == -1).any()
+    spanning = [name for name in MAPPINGS[0][0] if name in MAPPINGS[1][0]]
+    assert spanning == ["a.weight"]
+
+
+def test_read_zero_state_merges_dp_shards(tmp_path: Path) -> None:
+    originals = _write_zero_checkpoint(tmp_path / "iter_0000007")
+    state = read_zero_state(tmp_path / "iter_0000007", mp_rank=0)
+    assert state["step"] == STEP and isinstance(state["step"], int)
+    assert state["lr"] == LRS
+    for key in ("fp32", "exp_avg", "exp_avg_sq"):
+        assert set(state[key]) == {"a.weight", "a.bias", "b.weight"}
+        for name, expected in originals[key].items():
+            got = state[key][name]
+            assert got.shape == expected.shape and got.dtype == torch.float32
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_read_zero_state_elastic_list_format(tmp_path: Path) -> None:
+    """DeepSpeed's elastic checkpoints keep base_optimizer_state as a list of per-group states (no LRs)."""
+    folder = tmp_path / "iter_0000007"
+    originals = _write_zero_checkpoint(folder)
+    for dp in (0, 1):
+        file = folder / f"zero_pp_rank_{dp}_mp_rank_00_optim_states.pt"
+        saved = torch.load(file, weights_only=False)
+        base = saved["optimizer_state_dict"]["base_optimizer_state"]
+        saved["optimizer_state_dict"]["base_optimizer_state"] = [base["state"][g] for g in range(len(SHAPES))]
+        torch.save(saved, file)
+    state = read_zero_state(folder, mp_rank=0)
+    assert state["step"] == STEP and state["lr"] is None
+    torch.testing.assert_close(state["exp_avg"]["a.weight"], originals["exp_avg"]["a.weight"], rtol=0, atol=0)
+
+
+def test_read_zero_state_missing_shard_is_incomplete(tmp_path: Path) -> None:
+    """Only DP rank 0's file: a.weight (spanning both partitions) has 5 of its 6 values."""
+    _write_zero_checkpoint(tmp_path, dp_ranks=(0,))
+    with pytest.raises(ConfigError) as excinfo:
+        read_zero_state(tmp_path, mp_rank=0)
+    message = _one_line_error(excinfo)
+    assert message.startswith("train.load:")
+    assert "incomplete" in message and "mp_rank_00" in message
+
+
+def test_read_zero_state_without_shards_names_the_mp_rank(tmp_path: Path) -> None:
+    torch.save({"module": {}, "param_shapes": SHAPES}, tmp_path / model_states_file(0))
+    with pytest.raises(ConfigError) as excinfo:
+        read_zero_state(tmp_path, mp_rank=0)
+    message = _one_line_error(excinfo)
+    assert message.startswith("train.load:") and "mp_rank_00" in message
+
+
+def test_read_zero_state_reads_only_its_mp_rank(tmp_path: Path) -> None:
+    """Shards of mp_rank_01 are not mp_rank_00's: with only those, mp_rank_00 has none."""
+    _write_zero_checkpoint(tmp_path, mp_rank=1)
+    torch.save({"module": {}, "param_shapes": SHAPES}, tmp_path / model_states_file(0))
+    with pytest.raises(ConfigError, match="mp_rank_00"):
+        read_zero_state(tmp_path, mp_rank=0)
+    assert read_zero_state(tmp_path, mp_rank=1)["step"] == STEP
+
+
+def test_zero_files_in_numeric_dp_order(tmp_path: Path) -> None:
+    for dp in reversed(range(12)):
+        (tmp_path / f"zero_pp_rank_{dp}_mp_rank_03_optim_states.pt").touch()
+        (tmp_path / f"zero_pp_rank_{dp}_mp_rank_13_optim_states.pt").touch()  # another mp rank
+    names = [p.name for p in zero_files(tmp_path, 3)]
+    assert names == [f"zero_pp_rank_{dp}_mp_rank_03_optim_states.pt" for dp in range(12)]
+
+
+def test_zero_files_bf16_prefix(tmp_path: Path) -> None:
+    """BF16_Optimizer names its shards bf16_zero_pp_rank_D_mp_rank_MM_optim_states.pt."""
+    for dp in (2, 10, 1, 0):
+        (tmp_path / f"bf16_zero_pp_rank_{dp}_mp_rank_00_optim_states.pt").touch()
+    with pytest.raises(ConfigError, match="not one set of DP ranks 0..N-1"):  # ranks 3-9 missing
+        zero_files(tmp_path, 0)
+    for dp in range(3, 10):
+        (tmp_path / f"bf16_zero_pp_rank_{dp}_mp_rank_00_optim_states.pt").touch()
+    assert [p.name.split("_")[4] for p in zero_files(tmp_path, 0)] == [str(dp) for dp in range(11)]
+    (tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt").touch()  # mixed kinds
+    with pytest.raises(ConfigError, match="incomplete or mixed"):
+        zero_files(tmp_path, 0)
+
+
+def test_check_model_compares_the_mlp_size_not_how_it_was_given() -> None:
+    """An unset ffn_hidden_size is 4 x hidden: the same weights as giving it (and another size is not)."""
+    resume = _saved_model(_cfg("--model.hidden_size", "128"))
+    check_model(resume, _cfg("--model.hidden_size", "128", "--model.ffn_hidden_size", "512"), 8192)
+    with pytest.raises(ConfigError, match="model.ffn_hidden_size 512"):
+        check_model(resume, _cfg("--model.hidden_size", "128", "--model.ffn_hidden_size", "256"), 8192)
+
+
+def test_check_model_checks_the_vocabulary_of_a_checkpoint_without_model_settings() -> None:
+    resume = _resume(_full(1, 1, 1), vocab_size=8192)
+    with pytest.raises(ConfigError, match="vocabulary of 8192 tokens"):
+        check_model(resume, _cfg(), 1024)

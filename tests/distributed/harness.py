@@ -64,6 +64,19 @@ def short_run(steps: int, *, eval_iters: int = 2, lr: str | None = None) -> list
     return args + (["--train.lr", lr] if lr else [])
 
 
+def metrics_job(out: Path, name: str, args: list[str]) -> tuple[list[str], Path]:
+    """pretrain's `args` with run `name`'s log folder and metrics file in `out`; and that file."""
+    metrics = out / f"{name}.jsonl"
+    return [*args, "--logging.log_dir", str(out / "runs"), "--logging.metrics_file", str(metrics)], metrics
+
+
+def torchrun_curves(script: str, nproc: int, args: list[str], steps: int, *, cwd: Path, timeout: float = 300):
+    """Run `script` (pretrain, with a metrics file: metrics_job) under torchrun; its metrics_curves."""
+    args, metrics = metrics_job(cwd, "torchrun", args)
+    torchrun(script, nproc, args, cwd=cwd, timeout=timeout)
+    return metrics_curves(metrics, steps)
+
+
 def read_records(path: Path) -> dict[int, dict]:
     """pretrain's --logging.metrics_file by step (a step logged twice, as by a resumed run: its last values)."""
     records: dict[int, dict] = {}

@@ -21,7 +21,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import GPT_MODEL, compare, deepspeed_cmd, launch, metrics_curves, short_run, torchrun
+from harness import (
+    GPT_MODEL,
+    compare,
+    deepspeed_cmd,
+    launch,
+    metrics_curves,
+    metrics_job,
+    short_run,
+    torchrun_curves,
+)
 
 STEPS = 5
 SCRIPT = "../../pretrain_gpt.py"  # relative to tests/distributed, as the harness takes workers
@@ -31,9 +40,7 @@ WORLD = "world 2 = TP 1 x PP 1 x DP 2"  # pretrain_gpt's first line, printed by 
 
 def job_args(gpt_data: list[str], out: Path, name: str) -> tuple[list[str], Path]:
     """pretrain_gpt's arguments for run `name` in `out`, and its metrics file."""
-    metrics = out / f"{name}.jsonl"
-    logging = ["--logging.log_dir", str(out / "runs"), "--logging.metrics_file", str(metrics)]
-    return [*GPT_MODEL, *TRAIN, *gpt_data, *logging], metrics
+    return metrics_job(out, name, [*GPT_MODEL, *TRAIN, *gpt_data])
 
 
 def check_same(test: str, label: str, run: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]):
@@ -45,9 +52,7 @@ def check_same(test: str, label: str, run: dict[str, torch.Tensor], reference: d
 @pytest.fixture(scope="module")
 def reference(gpt_data: list[str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     out = tmp_path_factory.mktemp("launchers_torchrun")
-    args, metrics = job_args(gpt_data, out, "torchrun")
-    torchrun(SCRIPT, 2, args, cwd=out, timeout=240)
-    return metrics_curves(metrics, STEPS)
+    return torchrun_curves(SCRIPT, 2, [*GPT_MODEL, *TRAIN, *gpt_data], STEPS, cwd=out, timeout=240)
 
 
 def test_deepspeed_launcher_with_a_hostfile_matches_torchrun(reference, gpt_data, tmp_path: Path):

@@ -39,7 +39,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import GPT_MODEL, compare, deepspeed_cmd, launch, metrics_curves, short_run, torchrun
+from harness import (
+    GPT_MODEL,
+    compare,
+    deepspeed_cmd,
+    launch,
+    metrics_curves,
+    metrics_job,
+    short_run,
+    torchrun_curves,
+)
 
 STEPS = 5
 SCRIPT = "../../pretrain_gpt.py"  # relative to tests/distributed, as the harness takes workers
@@ -109,18 +118,14 @@ def hosts():
 
 def job_args(gpt_data: list[str], out: Path, name: str) -> tuple[list[str], Path]:
     """pretrain_gpt's arguments for run `name` in `out`, and its metrics file."""
-    metrics = out / f"{name}.jsonl"
-    logging = ["--logging.log_dir", str(out / "runs"), "--logging.metrics_file", str(metrics)]
-    return [*GPT_MODEL, *TRAIN, *gpt_data, *logging], metrics
+    return metrics_job(out, name, [*GPT_MODEL, *TRAIN, *gpt_data])
 
 
 @pytest.fixture(scope="module")
 def reference(gpt_data: list[str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     """The same job, 4 ranks on this host under torchrun."""
     out = tmp_path_factory.mktemp("multinode_single_host")
-    args, metrics = job_args(gpt_data, out, "single_host")
-    torchrun(SCRIPT, 4, args, cwd=out, timeout=300)
-    return metrics_curves(metrics, STEPS)
+    return torchrun_curves(SCRIPT, 4, [*GPT_MODEL, *TRAIN, *gpt_data], STEPS, cwd=out, timeout=300)
 
 
 def run_on_hosts(test: str, hosts, launchers, reference, gpt_data: list[str], out: Path) -> None:

@@ -240,13 +240,20 @@ def set_rng_states(states: dict) -> None:
 
 
 def _hook_settings(hook) -> dict | None:
-    """The settings a hook's state belongs to (its `cfg` dataclass, e.g. ResizeConfig), if any, less
-    those it names in `settings_free` (which do not shape its state, e.g. where a trace is written)."""
+    """The settings a hook's state belongs to (its `cfg` dataclass, e.g. ResizeConfig), if any."""
     cfg = getattr(hook, "cfg", None)
-    if not dataclasses.is_dataclass(cfg):
-        return None
+    return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else None
+
+
+def _same_settings(hook, saved: dict | None) -> bool:
+    """Whether the hook's settings are the saved ones, but for those it names in `settings_free`
+    (which do not shape its state, e.g. where a trace is written)."""
     free = getattr(hook, "settings_free", ())
-    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in free}
+
+    def shaping(settings: dict | None) -> dict | None:
+        return None if settings is None else {k: v for k, v in settings.items() if k not in free}
+
+    return shaping(_hook_settings(hook)) == shaping(saved)
 
 
 def _stateful_hooks(hooks: list) -> dict[str, object]:
@@ -474,10 +481,7 @@ def load(trainer, resume: Resume) -> float:
     set_rng_states(mine["rng"])
     for name, hook in _stateful_hooks(trainer.step_hooks).items():
         saved = mine["hooks"].get(name)
-        free = getattr(hook, "settings_free", ())
-        if saved is None or _hook_settings(hook) != (
-            {k: v for k, v in saved["settings"].items() if k not in free} if saved["settings"] else None
-        ):
+        if saved is None or not _same_settings(hook, saved["settings"]):
             trainer.logger.print(
                 f"megahet: checkpoint has no {name} state for these settings: it starts fresh"
             )

@@ -44,7 +44,6 @@ from megahet.checkpoint import (
     LATEST,
     META,
     TOKENIZER,
-    load_checkpoint_file,
     model_states_file,
     save_weights_only,
 )
@@ -293,29 +292,21 @@ def repad_vocab(weight: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([weight, weight[-1:].expand(rows - weight.shape[0], -1)])
 
 
-def reshard(
-    path: str | Path,
-    out: str | Path,
-    tp: int,
-    pp: int,
-    *,
-    model: ModelConfig | None = None,
-    vocab_size: int | None = None,
-    optimizer: bool = False,
-) -> tuple[Path, dict, float]:
+def reshard(path: str | Path, out: str | Path, tp: int, pp: int, **options) -> tuple[Path, dict, float]:
     """Write the checkpoint's weights as a weights-only megahet checkpoint for TP=tp x PP=pp into the
     new folder `out` (loadable with --train.load out --parallel.tp tp --parallel.pp pp at any DP).
-    `model`: settings for checkpoints that do not record theirs; `vocab_size`: the tokenizer's
-    vocabulary, needed only when the new TP's padding is ambiguous; `optimizer`: also carry the ZeRO
-    optimizer state (fp32 masters, Adam moments and step) and the LR schedule, per parameter, so that
-    training continues exactly (up to reduction order). Returns (folder, meta, seconds)."""
+    `options` are reshard_into's: `model`, settings for checkpoints that do not record theirs;
+    `vocab_size`, the tokenizer's vocabulary, needed only when the new TP's padding is ambiguous;
+    `optimizer`, also carry the ZeRO optimizer state (fp32 masters, Adam moments and step) and the LR
+    schedule, per parameter, so that training continues exactly (up to reduction order).
+    Returns (folder, meta, seconds)."""
     out = Path(out).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(
             f"--out: {out} exists and is not empty: choose a new folder (saved data is never overwritten)"
         )
     folder, meta = find_checkpoint(path)
-    return reshard_into(folder, meta, out, tp, pp, model=model, vocab_size=vocab_size, optimizer=optimizer)
+    return reshard_into(folder, meta, out, tp, pp, **options)
 
 
 def _resharded(
@@ -330,7 +321,8 @@ def _resharded(
 
 
 def _optimizer_stages(folder: Path, src: dict, m: ModelConfig, tp: int, pp: int, vocab: int | None):
-    """The ZeRO optimizer state at TP=tp x PP=pp: [pp_rank][tp_rank] -> {key: {name: tensor}, "step", "lr"}."""
+    """The ZeRO optimizer state at TP=tp x PP=pp: [pp_rank][tp_rank] -> {key: {name: tensor}, "step", "lr",
+    "lr_scheduler", "global_steps"}."""
     from megahet.optimizer_state import TENSOR_KEYS, read_zero_state
 
     src_tp, src_pp = src["tp"], src["pp"]
@@ -340,8 +332,9 @@ def _optimizer_stages(folder: Path, src: dict, m: ModelConfig, tp: int, pp: int,
         raise ConfigError(
             f"reshard: {folder}: the ZeRO shards were saved at different Adam steps {sorted(steps)}"
         )
-    step, lr = steps.pop(), per_rank[0][0]["lr"]
-    out = [[{"step": step, "lr": lr} for _ in range(tp)] for _ in range(pp)]
+    step, first = steps.pop(), per_rank[0][0]
+    shared = {"step": step, **{k: first[k] for k in ("lr", "lr_scheduler", "global_steps")}}
+    out = [[dict(shared) for _ in range(tp)] for _ in range(pp)]
     for key in TENSOR_KEYS:
         merged = merge_shards([[rank[key] for rank in stage] for stage in per_rank])
         for p, stage in enumerate(_resharded(merged, m, src_tp, tp, pp, vocab)):
@@ -386,11 +379,6 @@ def reshard_into(
         if meta.get("weights_only"):
             raise ConfigError(f"reshard: {folder} is weights-only: it has no optimizer state to carry")
         optimizer_states = _optimizer_stages(folder, src, m, tp, pp, vocab)
-        schedule = load_checkpoint_file(folder / model_states_file(0))
-        for stage in optimizer_states:
-            for rank in stage:
-                rank["lr_scheduler"] = schedule.get("lr_scheduler")
-                rank["global_steps"] = schedule.get("global_steps")
     checkpoint = save_weights_only(
         root,
         stages,

@@ -75,7 +75,7 @@ def dead_ranks(peers: list[tuple[str, int]], host: str) -> list[int]:
 def lost_peer_message(err: BaseException) -> str:
     """One line: which rank this is, which peers are gone (those of this host, by their pid), the
     cause as torch.distributed reported it, and how to go on."""
-    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    rank = dist.get_rank()  # is_peer_loss: the process group is up
     dead = dead_ranks(_PEERS, socket.gethostname())
     who = (
         f"rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} died"

@@ -66,10 +66,12 @@ def _group_lrs(optimizer_state: dict) -> list[float] | None:
 
 def read_zero_state(folder: Path, mp_rank: int) -> dict:
     """{"fp32" | "exp_avg" | "exp_avg_sq": {name: full tensor}, "step": Adam's step, "lr": each param
-    group's learning rate} of one model-parallel rank, merged over its DP shards."""
+    group's learning rate, "lr_scheduler" / "global_steps": the engine's} of one model-parallel rank,
+    merged over its DP shards."""
     from megahet.checkpoint import load_checkpoint_file, model_states_file
 
-    shapes = load_checkpoint_file(folder / model_states_file(mp_rank))["param_shapes"]
+    model_states = load_checkpoint_file(folder / model_states_file(mp_rank))
+    shapes = model_states["param_shapes"]
     shape_of = {name: shape for group in shapes for name, shape in group.items()}
     fragments: dict[str, dict[str, list[torch.Tensor]]] = {key: {} for key in TENSOR_KEYS}
     step = None
@@ -90,7 +92,12 @@ def read_zero_state(folder: Path, mp_rank: int) -> dict:
             f"train.load: {folder} mp_rank_{mp_rank:02d}: the ZeRO shards ({len(files)} DP ranks) do not hold "
             f"every parameter ({missing[:1] or 'partition count'} missing): the checkpoint is incomplete"
         )
-    state: dict = {"step": step, "lr": _group_lrs(saved)}
+    state: dict = {
+        "step": step,
+        "lr": _group_lrs(saved),
+        "lr_scheduler": model_states.get("lr_scheduler"),
+        "global_steps": model_states.get("global_steps"),
+    }
     for key, by_name in fragments.items():
         state[key] = {}
         for name, parts in by_name.items():

@@ -57,7 +57,11 @@ def deepspeed_config(cfg: MegahetConfig, dp_size: int, user: dict[str, Any]) -> 
                 "betas": [t.adam_beta1, t.adam_beta2],
                 "eps": t.adam_eps,
                 "weight_decay": t.weight_decay,
-                "torch_adam": not cuda_available(),
+                # torch's AdamW on every device: fused on a GPU (one multi-tensor kernel, nothing to
+                # compile), so a GPU node needs no nvcc and no DeepSpeed op build (DeepSpeed's JIT
+                # FusedAdam fails on TORCH_CUDA_ARCH_LIST entries such as "9.0a").
+                "torch_adam": True,
+                **({"fused": True} if cuda_available() else {}),
             },
         },
         "zero_optimization": {"stage": cfg.parallel.zero_stage},

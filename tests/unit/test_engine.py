@@ -80,11 +80,29 @@ def test_settings_come_from_the_megahet_config() -> None:
     assert opt["type"] == "AdamW"
     assert opt["params"]["lr"] == 3e-4 and opt["params"]["betas"] == [0.8, 0.99]
     assert opt["params"]["eps"] == 1e-6 and opt["params"]["weight_decay"] == 0.1
-    assert opt["params"]["torch_adam"] is (not torch.cuda.is_available())
+    assert opt["params"]["torch_adam"] is True
+    assert opt["params"].get("fused", False) is torch.cuda.is_available()
     assert ds["zero_optimization"] == {"stage": 2}
     assert ds["gradient_clipping"] == 0.5
     assert ds["bf16"] == {"enabled": True}
     assert deepspeed_config(_cfg(), 1, {})["bf16"] == {"enabled": False}
+
+
+def test_gpu_optimizer_is_torchs_fused_adamw_needing_no_op_build(world1, monkeypatch) -> None:
+    """On a GPU DeepSpeed gets torch's fused AdamW, not its JIT-built FusedAdam: that build needs nvcc and
+    fails on TORCH_CUDA_ARCH_LIST entries like "9.0a" (seen on an H200). DeepSpeed's own optimizer
+    factory is asked which class and arguments that config gives."""
+    import megahet.engine
+
+    monkeypatch.setattr(megahet.engine, "cuda_available", lambda: True)
+    params = dict(deepspeed_config(_cfg(), 1, {})["optimizer"]["params"])
+    assert params["torch_adam"] is True and params["fused"] is True
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    cls, extra = DeepSpeedEngine.get_optimizer_configuration(None, params, True)  # pops torch_adam
+    weight = torch.nn.Parameter(torch.zeros(4))
+    optimizer = cls([weight], **params, **extra)  # torch supports the fused kernel on CPU tensors too
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["fused"] is True
 
 
 @pytest.mark.parametrize("dp", [1, 2, 4])

@@ -145,6 +145,9 @@ class ResizeConfig:
     to helpers of its TP group (default all others); 'DP.TP:...' for one DP replica. Needs ZeRO-1."""
     block_gamma: str | None = None
     """Per-block overrides for resized ranks: 'mlp:LAYER=GAMMA,attn:LAYER=GAMMA' (global 1-based layers)."""
+    unit_multiple: int = 1
+    """A resized MLP keeps a multiple of this many units (rounded up): 8 or 64 on GPUs, whose GEMMs fall
+    off the tensor-core path at widths that are not multiples of 8 (examples/gpu set 64)."""
     imputation: Literal["zero", "same", "average"] = "zero"
     """Gradient of units no replica computed: zero (frozen), same (last measured), average (mean of kept)."""
     selection: Literal["random", "priority"] = "priority"

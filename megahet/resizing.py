@@ -131,7 +131,9 @@ class ResizeController:
             if self.executor.track_gradients:
                 self._gather_scores()
             self._migrated = plan_migration(self.units, self.moves)
-            dropped = plan_resize(self.units, self.gammas, self._choose, self.overrides).blocks
+            dropped = plan_resize(
+                self.units, self.gammas, self._choose, self.overrides, self.cfg.unit_multiple
+            ).blocks
             self.executor.apply(ResizePlan(dropped, self._migrated))
 
     def before_step(self, engine) -> None:

@@ -49,6 +49,29 @@ def _count_backward(layer, flops: int, grad: torch.Tensor) -> None:
     layer.backward_flops += flops
 
 
+class _GatherUnits(torch.autograd.Function):
+    """`weight.index_select(dim, index)` whose backward writes the (unique) kept units' gradient with
+    `index_copy_` into a zero gradient: autograd's own backward for index_select is an `index_add_`,
+    which on CUDA adds element by element with atomics (slow for bf16)."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+        ctx.dim, ctx.shape = dim, weight.shape
+        ctx.save_for_backward(index)
+        return weight.index_select(dim, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        full = grad.new_zeros(ctx.shape)
+        return full.index_copy_(ctx.dim, index, grad), None, None
+
+
+def gather_units(weight: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """The kept units of a weight along `dim` (a copy), differentiable; `index` holds unique indices."""
+    return _GatherUnits.apply(weight, dim, index)
+
+
 def _check_resizable(layer) -> None:
     if layer.sequence_parallel:
         raise NotImplementedError(
@@ -89,10 +112,10 @@ class ResizableColumnParallelLinear(ColumnParallelLinear):
             _charge_backward(self, out[0], flops)
             return out
         x = copy_to_tensor_model_parallel_region(input_)  # (s, b, h); all-reduces dgrad over TP
-        w = self.weight if self.kept is None else self.weight.index_select(0, self.kept)  # (kept, h)
+        w = self.weight if self.kept is None else gather_units(self.weight, 0, self.kept)  # (kept, h)
         bias = self.bias
         if bias is not None and self.kept is not None:
-            bias = bias.index_select(0, self.kept)
+            bias = gather_units(bias, 0, self.kept)
         if self.guest_weight is not None:  # guests' input is the replicated x this rank already holds
             w = torch.cat([w, self.guest_weight])  # (kept + guest rows, h)
             bias = torch.cat([bias, self.guest_bias]) if bias is not None else None
@@ -134,7 +157,7 @@ class ResizableRowParallelLinear(RowParallelLinear):
             out = super().forward(input_)
             _charge_backward(self, out[0], flops)
             return out
-        w = self.weight if self.kept is None else self.weight.index_select(1, self.kept)  # (h, kept)
+        w = self.weight if self.kept is None else gather_units(self.weight, 1, self.kept)  # (h, kept)
         if self.guest_weight is not None:
             w = torch.cat([w, self.guest_weight], dim=1)  # (h, kept + guest cols)
         # (s, b, kept + guests) -> (s, b, h): this rank's partial sum, guests' share included, so the

@@ -135,6 +135,7 @@ def test_min_lr_above_lr_is_rejected() -> None:
     "key, value, needle",
     [
         ("resize.reselect_interval", 0, "must be positive"),
+        ("resize.unit_multiple", 0, "must be >= 1"),
         ("resize.max_drop_steps", -1, "must be positive"),
         ("resize.score_decay", 1.0, "must be in [0, 1)"),
         ("resize.score_samples", -5, "0 = every element"),

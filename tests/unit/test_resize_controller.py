@@ -113,3 +113,19 @@ def test_priority_statistics_are_kept_only_where_units_can_be_dropped(args, trac
 
     cfg = load_config(["--parallel.tp", "2", *args])
     assert ResizeController.tracks_priority(cfg) is tracked
+
+
+def test_controller_keeps_a_multiple_of_unit_multiple_mlp_units(world1) -> None:
+    """resize.unit_multiple reaches the plan: a resized MLP keeps a multiple of it, attention whole heads."""
+    cfg = load_config(
+        ["--resize.gamma", "0:0.3", "--resize.selection", "random", "--resize.unit_multiple", "8"]
+    )
+    model = gpt()
+    ctrl = ResizeController(cfg, model, current_layout(), num_microbatches=2)
+    run_controller(ctrl, model, torch.optim.AdamW(model.parameters(), lr=1e-2), range(1))
+    for block, n in ctrl.units.items():
+        kept = n - len(ctrl.executor.plan.dropped(block, 0, 0))
+        if block[0] == "mlp":
+            assert kept % 8 == 0 and kept < n and kept != n - int(0.3 * n), (block, n, kept)
+        else:
+            assert kept == n - int(0.3 * n), (block, n, kept)

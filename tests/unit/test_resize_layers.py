@@ -391,3 +391,22 @@ def test_unsupported_configurations_fail_clearly(world1) -> None:
     )
     with pytest.raises(NotImplementedError, match="gated linear units"):
         find_blocks(gated)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_gather_units_gradient_equals_index_selects(dim: int, dtype: torch.dtype) -> None:
+    """The resized linears' gather: same values and gradient as index_select (index_copy_ instead of the
+    index_add_ autograd uses), so the resized layers' numerics do not depend on which one runs."""
+    from megahet.tensor_parallel.layers import gather_units
+
+    torch.manual_seed(0)
+    weight = torch.randn(12, 10, dtype=dtype, requires_grad=True)  # (units, in) or (out, units)
+    index = torch.tensor([0, 3, 4, 9])
+    upstream = torch.randn(*(4, 10) if dim == 0 else (12, 4), dtype=dtype)
+    (gather_units(weight, dim, index) * upstream).sum().backward()
+    ours, weight.grad = weight.grad, None
+    (weight.index_select(dim, index) * upstream).sum().backward()
+    assert torch.equal(ours, weight.grad)
+    if dtype == torch.float64:
+        assert torch.autograd.gradcheck(lambda w: gather_units(w, dim, index), (weight,))

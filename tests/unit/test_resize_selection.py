@@ -336,6 +336,37 @@ def test_units_to_drop_is_floor_of_gamma_times_units(units: int, gamma: float, e
     assert units_to_drop(units, gamma) == expected
 
 
+@pytest.mark.parametrize(
+    "units, gamma, multiple, kept",
+    [
+        (3584, 0.135, 8, 3104),  # floor(483.8) dropped -> 3101 kept, rounded up to 388 x 8
+        (3584, 0.135, 64, 3136),  # 49 x 64
+        (3584, 0.125, 64, 3136),  # already a multiple: floor(gamma * units) unchanged
+        (3584, 0.5, 128, 1792),
+        (3584, 0.01, 64, 3584),  # 35 dropped would leave 3549: rounds up to every unit (no resize)
+        (100, 0.5, 64, 64),  # units not a multiple: kept still rounded up to one
+        (100, 0.9, 64, 64),  # keeps 64 rather than 10
+        (8, 0.9, 1, 1),
+    ],
+)
+def test_units_to_drop_keeps_a_multiple_of_units(units: int, gamma: float, multiple: int, kept: int) -> None:
+    assert units - units_to_drop(units, gamma, multiple) == kept
+
+
+def test_units_to_drop_rejects_a_multiple_below_one() -> None:
+    with pytest.raises(ValueError) as err:
+        units_to_drop(8, 0.5, 0)
+    _one_line(err, "unit multiple must be >= 1")
+
+
+def test_plan_resize_aligns_mlp_blocks_only() -> None:
+    """Attention units are whole heads (already GEMM-aligned): only MLP blocks round to the multiple."""
+    block_units = {("attn", 1): 16, ("mlp", 1): 3584}
+    plan = plan_resize(block_units, {(0, 0): 0.135}, lambda b, r, n: tuple(range(n)), mlp_multiple=64)
+    assert len(plan.dropped(("attn", 1), 0, 0)) == 2  # floor(0.135 * 16), not rounded to 64
+    assert len(plan.dropped(("mlp", 1), 0, 0)) == 3584 - 3136
+
+
 @pytest.mark.parametrize("gamma", [1.0, 1.5, -0.1])
 def test_units_to_drop_rejects_gamma_outside_0_1(gamma: float) -> None:
     with pytest.raises(ValueError) as err:

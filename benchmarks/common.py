@@ -34,17 +34,23 @@ def save_results(name: str, rows: list[dict], columns: list[str], meta: dict) ->
 
 
 def interleaved_medians(
-    fns: dict[str, Callable[[], None]], repeats: int, warmup: int = 1
+    fns: dict[str, Callable[[], None]],
+    repeats: int,
+    warmup: int = 1,
+    synchronize: Callable[[], None] = lambda: None,
 ) -> dict[str, float]:
-    """Median wall time of each fn, measured round-robin so machine noise hits all alike."""
+    """Median wall time of each fn, measured round-robin so machine noise hits all alike; `synchronize`
+    (e.g. megahet.platform.synchronize) waits for queued GPU work before each clock read."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     samples: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for key, fn in fns.items():
+            synchronize()
             t0 = time.perf_counter()
             fn()
+            synchronize()
             samples[key].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in samples.items()}
 

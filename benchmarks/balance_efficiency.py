@@ -9,7 +9,7 @@ For each straggler profile, real torchrun launches of pretrain_gpt.py (a small G
 so that whole units can follow the speeds; virtual devices, `--balance.trace`) run the same job in
 four modes — static, resize, migrate, semi — and once on its homogeneous *twin*: every device at the
 profile's mean speed at that step (same total speed, same all-reduces, same framework overhead).
-T_opt is the twin's measured step time, so communication and overheads cancel (DESIGN.md §2). Runs of
+T_opt is the twin's measured step time, so communication and overheads cancel (docs/design.md §2). Runs of
 one profile follow each other, so machine noise hits them alike. Static profiles start homogeneous
 for `--warmup` steps, so that the straggler's arrival is an event the balancer must react to.
 

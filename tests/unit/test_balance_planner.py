@@ -29,7 +29,7 @@ def test_ideal_shares_are_proportional_to_speed():
 
 @pytest.mark.parametrize("k, m", [(8, 4), (8, 3), (4, 3), (2, 1)])
 def test_migrate_only_matches_the_capacity_formula(k, m):
-    """DESIGN.md §2: a straggler of slowdown k with m equal helpers balances at (k-1)/(k+1/m)."""
+    """docs/design.md §2: a straggler of slowdown k with m equal helpers balances at (k-1)/(k+1/m)."""
     target = plan_migrate_only([1 / k] + [1.0] * m)
     sent = sum(target.moves[0].values())
     assert sent == pytest.approx((k - 1) / (k + 1 / m))

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from megahet.launch import free_port, launch_env, torchrun_cmd
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -58,22 +57,15 @@ def interleaved_medians(
 ROOT = RESULTS.parents[1]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def torchrun(script: str, nproc: int, args: list[str], log: Path) -> float:
     """Launch ROOT/script on `nproc` local ranks (gloo, OMP_NUM_THREADS=1, no W&B), its output streamed
     into `log` (readable while it runs, kept if it is killed); return the launch's wall time in seconds.
     A failed launch raises with the output's tail; a port taken between probe and bind (other jobs on
     the machine) is retried."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WANDB_MODE="disabled")
+    env = launch_env()
     log.parent.mkdir(parents=True, exist_ok=True)
     for attempt in range(3):
-        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
-        cmd = [*launcher, "--master_addr=127.0.0.1", f"--master_port={free_port()}", script, *args]
+        cmd = [*torchrun_cmd(nproc, free_port()), script, *args]
         with log.open("w") as out:
             out.write(" ".join(cmd) + "\n")
             out.flush()

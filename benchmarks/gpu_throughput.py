@@ -141,15 +141,17 @@ def timed_block(step, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
+def model_parser(description: str, layers: int, seq: int, micro: int, accum: int) -> argparse.ArgumentParser:
+    """The GPT's shape and batch as arguments (read by `base_args`), with these defaults."""
+    parser = argparse.ArgumentParser(description=description)
+    for name, default in (("layers", layers), ("hidden", 1024), ("heads", 16), ("seq", seq), ("micro", micro),
+                          ("accum", accum), ("vocab-size", 8192)):  # fmt: skip
+        parser.add_argument(f"--{name}", type=int, default=default)
+    return parser
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--micro", type=int, default=4)
-    parser.add_argument("--accum", type=int, default=2)
-    parser.add_argument("--vocab-size", type=int, default=8192)
+    parser = model_parser(__doc__.split("\n")[0], layers=24, seq=2048, micro=4, accum=2)
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per timed block")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import RESULTS, save_results
+from megahet.launch import torchrun_cmd
 
 CONFIGS = [(0.0, "none"), (0.25, "random"), (0.25, "priority"), (0.5, "random"), (0.5, "priority")]
 
@@ -29,13 +30,7 @@ def run(gamma: float, selection: str, steps: int, imputation: str, port: int) ->
     metrics.parent.mkdir(parents=True, exist_ok=True)
     metrics.unlink(missing_ok=True)
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(port),
+        *torchrun_cmd(2, port),
         "pretrain_vit.py",
         "--parallel.tp",
         "2",

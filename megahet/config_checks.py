@@ -7,6 +7,7 @@ is a one-line `ConfigError` that names the key and the fix.
 from __future__ import annotations
 
 from megahet.config import ConfigError, MegahetConfig
+from megahet.parallel import check_world_size
 
 
 def _require(condition: bool, message: str) -> None:
@@ -45,11 +46,7 @@ def validate(cfg: MegahetConfig, world_size: int) -> int:
         f"parallel.pp {p.pp} does not divide model.num_layers {m.num_layers}: "
         f"use a layer count that is a multiple of the pipeline size",
     )
-    _require(
-        world_size % (p.tp * p.pp) == 0,
-        f"world size {world_size} is not divisible by TP*PP = {p.tp}*{p.pp} = {p.tp * p.pp}: "
-        f"launch a multiple of {p.tp * p.pp} ranks or change parallel.tp / parallel.pp",
-    )
+    check_world_size(world_size, p.tp, p.pp)
     _require(p.zero_stage in (1, 2), f"parallel.zero_stage must be 1 or 2, got {p.zero_stage}")
     _require(
         not (p.zero_stage == 2 and p.pp > 1),

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 
+from megahet.config import ConfigError
 from megahet.platform import apply_cpu_shims, cuda_available, distributed_backend
 
 
@@ -52,11 +53,12 @@ class ParallelLayout:
 
 
 def check_world_size(world_size: int, tp: int, pp: int) -> int:
-    """Return the DP size, or raise a one-line error when TP x PP does not divide the world."""
+    """Return the DP size, or raise a one-line ConfigError when TP x PP does not divide the world (the one
+    copy of this check: config validation and initialize_parallel both call it)."""
     if tp < 1 or pp < 1:
-        raise ValueError(f"tensor/pipeline parallel sizes must be >= 1 (got tp={tp}, pp={pp})")
+        raise ConfigError(f"tensor/pipeline parallel sizes must be >= 1 (got tp={tp}, pp={pp})")
     if world_size % (tp * pp) != 0:
-        raise ValueError(
+        raise ConfigError(
             f"world size {world_size} is not divisible by TP*PP = {tp}*{pp} = {tp * pp}: "
             f"launch a multiple of {tp * pp} ranks or change --parallel.tp / --parallel.pp"
         )

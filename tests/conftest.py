@@ -6,15 +6,9 @@ seeded with the test module's `SEED` (default 1234); torn down when the module's
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megahet.launch import free_port
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +18,7 @@ def world1(request):
     from megahet.parallel import destroy_parallel, initialize_parallel
 
     with pytest.MonkeyPatch.context() as mp:
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0"}
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0"}
         for key, value in {**env, "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
             mp.setenv(key, value)
         layout = initialize_parallel(tp=1, pp=1, seed=getattr(request.module, "SEED", 1234))

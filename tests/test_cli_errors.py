@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from megahet.launch import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 PREFIX = "megahet: error:"
@@ -135,12 +136,6 @@ EXPECTED = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env(**extra: str) -> dict[str, str]:
     env = {
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
@@ -158,7 +153,7 @@ def _last_line(stderr: str) -> str:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess | dict]:
     """Start both processes at once; returns their results (driver: parsed per case)."""
     tmp = tmp_path_factory.mktemp("cli")
-    port = str(_free_port())
+    port = str(free_port())
     rank0 = {
         "WORLD_SIZE": "3",
         "RANK": "0",

@@ -18,15 +18,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from megahet.launch import deepspeed_cmd, free_port, launch_env, torchrun_cmd  # noqa: F401 (shared)
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -99,12 +99,6 @@ class LaunchError(AssertionError):
     """A distributed worker launch failed or timed out; the message carries its output."""
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _excerpt(output: str, limit: int = 6000) -> str:
     """The first traceback (the cause) and the end of the output (torchrun's summary)."""
     start = output.find("Traceback")
@@ -139,34 +133,6 @@ def _kill_launch(proc: subprocess.Popen) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def launch_env(**extra: str) -> dict[str, str]:
-    """os.environ with what every launch sets (one OpenMP thread per rank, DeepSpeed's CPU accelerator,
-    wandb off, the repo importable), then `extra`."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WANDB_MODE="disabled", **extra)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    return env
-
-
-def torchrun_cmd(nproc: int, port: int) -> list[str]:
-    """torchrun with nproc ranks on this host (static rendezvous on 127.0.0.1:port), up to the script."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
-    return [*launcher, "--master_addr=127.0.0.1", f"--master_port={port}"]
-
-
-def deepspeed_cmd(hostfile: Path, master_addr: str, port: int, *flags: str) -> list[str]:
-    """The venv's `deepspeed` launcher (deepspeed.launcher.runner) with a hostfile and rank 0's address
-    and port, up to the script; flags e.g. "--no_ssh", "--node_rank=1"."""
-    script = Path(sys.executable).parent / "deepspeed"
-    runner = [str(script)] if script.is_file() else [sys.executable, "-m", "deepspeed.launcher.runner"]
-    return [
-        *runner,
-        f"--hostfile={hostfile}",
-        f"--master_addr={master_addr}",
-        f"--master_port={port}",
-        *flags,
-    ]
 
 
 def start_launch(

@@ -27,7 +27,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import GPT_MODEL, HERE, REPO, _kill_launch, compare, free_port, read_records, torchrun
+from harness import (
+    GPT_MODEL,
+    HERE,
+    REPO,
+    _kill_launch,
+    compare,
+    free_port,
+    launch_env,
+    read_records,
+    torchrun,
+    torchrun_cmd,
+)
 
 STEPS = 8
 COMMON = [
@@ -53,12 +64,10 @@ def _run(name: str, out: Path, extra: str, *, save: str | None = None, load: str
 
 def _killed_launch(out: Path, common: list[str], timeout: float = 240) -> None:
     """Start the slowed plain run and SIGKILL it (every process) once its first checkpoint is complete."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", WANDB_MODE="disabled")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1"]
+    env = launch_env()
     run = _run("killed", out, PLAIN, save="ck_plain", load="ck_plain")
-    cmd += [
-        f"--master_port={free_port()}",
+    cmd = [
+        *torchrun_cmd(2, free_port()),
         str(HERE / "workers/ckpt_train.py"),
         "--out",
         str(out),

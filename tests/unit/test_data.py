@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import runpy
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +23,7 @@ from megahet.data.mnist import load_mnist
 from megahet.data.prepare import ensure_gpt_data
 from megahet.data.preprocess import preprocess_jsonl
 from megahet.data.tokenizer import SentencePieceTokenizer, train_sentencepiece
+from megahet.launch import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SEQ = 16
@@ -209,9 +209,7 @@ def test_gpt_dataset_samples_are_windows_of_the_documents(
 
 def test_gpt_dataset_with_gloo_initialized(prefix: str, tok: SentencePieceTokenizer, tmp_path: Path) -> None:
     plain, _, _ = build_gpt_datasets(prefix, tok, SEQ, split="4,1,1", seed=5, cache_dir=tmp_path / "a")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         train, valid, test = build_gpt_datasets(

@@ -13,7 +13,6 @@ competitor then loads the CPU). Writes benchmarks/results/gpu_contention.{md,jso
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -28,7 +27,7 @@ import torch
 
 import pretrain_gpt
 from benchmarks.common import save_results
-from benchmarks.gpu_throughput import base_args
+from benchmarks.gpu_throughput import base_args, model_parser
 from megahet.config import load_config
 from megahet.platform import cuda_available
 from megahet.training import setup
@@ -48,14 +47,7 @@ while True:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--micro", type=int, default=8)
-    parser.add_argument("--accum", type=int, default=1)
-    parser.add_argument("--vocab-size", type=int, default=8192)
+    parser = model_parser(__doc__.split("\n")[0], layers=12, seq=1024, micro=8, accum=1)
     parser.add_argument("--steps", type=int, default=30, help="steps per phase")
     args = parser.parse_args()
 
@@ -78,8 +70,7 @@ def main() -> None:
                 competitor.kill()
                 competitor.wait()
     for hook in trainer.step_hooks:
-        if hasattr(hook, "close"):
-            hook.close()
+        hook.close()
     busy = {}
     for line in trace.read_text().splitlines():
         row = json.loads(line)

@@ -45,6 +45,7 @@ from megatron.core import parallel_state as ps
 from megahet.balance.detector import SpeedEstimator
 from megahet.balance.planner import WorkTarget, balance
 from megahet.config import MegahetConfig
+from megahet.hooks import StepHook
 from megahet.parallel import ParallelLayout
 from megahet.timing import StepTimes
 
@@ -63,7 +64,8 @@ def trace_path(path: str, pp_rank: int, pp_size: int) -> Path:
     return path if pp_size == 1 else path.with_name(f"{path.stem}_stage{pp_rank}{path.suffix}")
 
 
-class BalanceController:
+class BalanceController(StepHook):
+    checkpointed = True
     settings_free = ("trace",)
     """Settings a resumed run may change and keep this state (checkpoint.py compares the rest)."""
 

@@ -257,7 +257,7 @@ def _same_settings(hook, saved: dict | None) -> bool:
 
 
 def _stateful_hooks(hooks: list) -> dict[str, object]:
-    return {type(h).__name__: h for h in hooks if hasattr(h, "state_dict") and hasattr(h, "load_state_dict")}
+    return {type(h).__name__: h for h in hooks if h.checkpointed}
 
 
 # What torch.load raises for a truncated or corrupt file (zip reader, pickle, short reads).

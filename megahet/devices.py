@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import yaml
 
+from megahet.hooks import StepHook
 from megahet.platform import cuda_available, synchronize
 from megahet.tensor_parallel.blocks import find_blocks
 from megahet.timing import CommClock
@@ -183,7 +184,7 @@ def attach_virtual_device(model: torch.nn.Module, device: VirtualDevice, clock: 
     device.attach(lambda: sum(b.executed_flops + b.backward_flops for b in blocks), clock)
 
 
-class DeviceStepHook:
+class DeviceStepHook(StepHook):
     """Trainer step hook: advances the virtual device's step; reports its speed and charge (never read by
     the balancer)."""
 

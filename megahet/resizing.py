@@ -34,12 +34,15 @@ from megahet.balance.selection import (
     update_gradient_stats,
 )
 from megahet.config import MegahetConfig
+from megahet.hooks import StepHook
 from megahet.parallel import ParallelLayout
 from megahet.tensor_parallel.executor import ResizeExecutor
 from megahet.tensor_parallel.plan import BlockKey, RankKey, ResizePlan, block_name, parse_block_name
 
 
-class ResizeController:
+class ResizeController(StepHook):
+    checkpointed = True
+
     def __init__(self, cfg: MegahetConfig, model, layout: ParallelLayout, num_microbatches: int):
         r = cfg.resize
         self.cfg, self.layout, self.seed = r, layout, cfg.train.seed

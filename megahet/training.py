@@ -30,6 +30,7 @@ from megahet.config_checks import validate
 from megahet.elastic import plan_resume, reshard_checkpoint
 from megahet.engine import build_engine, fold_deepspeed_json
 from megahet.failures import first_local_rank, is_peer_loss, lost_peer_message, record_peers
+from megahet.hooks import StepHook
 from megahet.logging import TrainingLogger
 from megahet.parallel import ParallelLayout, destroy_parallel, initialize_parallel
 from megahet.platform import cuda_available
@@ -192,8 +193,7 @@ class Trainer:
         self.engine.eval()
         with contextlib.ExitStack() as stack:
             for hook in self.step_hooks:
-                if hasattr(hook, "evaluation"):
-                    stack.enter_context(hook.evaluation())
+                stack.enter_context(hook.evaluation())
             outputs = self._run_schedule(self.task.eval_data(), self.cfg.train.eval_iters, forward_only=True)
         self.engine.train()
         if not self.layout.is_last_stage:
@@ -240,9 +240,7 @@ class Trainer:
         else:
             metrics["samples_per_s"] = samples_per_s
         mine = {key: sum(r[f"{key}_s"] for r in window) / len(window) for key in ("compute", "wait")}
-        hooks = {
-            k: v for hook in self.step_hooks if hasattr(hook, "metrics") for k, v in hook.metrics().items()
-        }
+        hooks = {k: v for hook in self.step_hooks for k, v in hook.metrics().items()}
         spread = min_max_over_ranks({**mine, **hooks})  # one all-reduce for all of them
         metrics.update(grad_norm=last["grad_norm"], step_time_s=step_time)
         for key in mine:
@@ -252,8 +250,7 @@ class Trainer:
         for key in hooks:
             metrics[f"{key}_min"], metrics[f"{key}_max"] = spread[key]
         for hook in self.step_hooks:
-            if hasattr(hook, "report"):  # this rank's view, e.g. its TP group's plan, not reduced
-                metrics.update(hook.report())
+            metrics.update(hook.report())  # this rank's view, e.g. its TP group's plan, not reduced
         return metrics
 
 
@@ -305,12 +302,14 @@ def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
         f"DP {layout.dp_size}, ZeRO-{cfg.parallel.zero_stage}, {cfg.train.precision}, "
         f"{sum(p.numel() for p in task.model.parameters())} parameters on this rank"
     )
-    hooks = []
+    hooks: list[StepHook] = []
+    resizer = None
     if cfg.resize.active or cfg.balance.active:
         from megahet.resizing import ResizeController
 
         num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.dp_size)
-        hooks.append(ResizeController(cfg, task.model, layout, num_microbatches))
+        resizer = ResizeController(cfg, task.model, layout, num_microbatches)
+        hooks.append(resizer)
     if cfg.device.profile:
         from megahet.devices import DeviceStepHook, VirtualDevice, attach_virtual_device, parse_profile
 
@@ -324,7 +323,7 @@ def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
 
         # First: it plans at the start of a step, before the ResizeController executes the plan.
         time_layers(task.model, trainer.clock)
-        balancer = BalanceController(cfg, layout, hooks[0], lambda: trainer.times, lambda: trainer.step_t0)
+        balancer = BalanceController(cfg, layout, resizer, lambda: trainer.times, lambda: trainer.step_t0)
         trainer.step_hooks.insert(0, balancer)
     if resume is not None:
         seconds = checkpoint.load(trainer, resume)
@@ -339,8 +338,7 @@ def pretrain(cfg: MegahetConfig, spec: TaskSpec) -> list[dict[str, Any]]:
     t0 = time.perf_counter()
     history = trainer.train()
     for hook in trainer.step_hooks:
-        if hasattr(hook, "close"):
-            hook.close()
+        hook.close()
     logger.print(
         f"megahet {spec.name}: {trainer.iteration - trainer.start_iteration} steps in {time.perf_counter() - t0:.1f} s"
     )

@@ -27,6 +27,7 @@ from megahet import checkpoint
 from megahet.config import ConfigError, MegahetConfig, apply_overrides
 from megahet.config_checks import validate
 from megahet.engine import build_engine, lr_lambda
+from megahet.hooks import StepHook
 
 
 class _Toy(torch.nn.Module):
@@ -44,17 +45,13 @@ class _HookSettings:
     mode: str = "a"
 
 
-class _CountingHook:
+class _CountingHook(StepHook):
     """A stateful step hook (as the ResizeController): counts steps; state must survive a resume."""
+
+    checkpointed = True
 
     def __init__(self, mode: str = "a"):
         self.cfg, self.count = _HookSettings(mode), 0
-
-    def before_forward_backward(self, step):
-        pass
-
-    def before_step(self, engine):
-        pass
 
     def after_step(self, engine):
         self.count += 1

@@ -26,10 +26,11 @@ from megatron.core import parallel_state as ps
 
 import pretrain_gpt
 from megahet.config import load_config
+from megahet.hooks import StepHook
 from megahet.training import setup
 
 
-class KillAt:
+class KillAt(StepHook):
     """A step hook that SIGKILLs this rank in the middle of `step` (after its forward and backward,
     before the optimizer step): a real crash, mid-collective for its peers."""
 
@@ -43,21 +44,12 @@ class KillAt:
         if self.step == self.kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def after_step(self, engine) -> None:
-        pass
 
-
-class Sleep:
+class Sleep(StepHook):
     """A step hook that only slows training down."""
 
     def __init__(self, seconds: float):
         self.seconds = seconds
-
-    def before_forward_backward(self, step: int) -> None:
-        pass
-
-    def before_step(self, engine) -> None:
-        pass
 
     def after_step(self, engine) -> None:
         time.sleep(self.seconds)

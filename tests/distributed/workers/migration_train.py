@@ -32,6 +32,7 @@ from megatron.core import parallel_state as ps
 import pretrain_gpt
 import pretrain_vit
 from megahet.config import load_config
+from megahet.resizing import ResizeController
 from megahet.tensor_parallel.plan import ResizePlan, block_name
 from megahet.training import setup
 
@@ -70,7 +71,7 @@ def run(name: str, task: str, mode: str, argv: list[str], out: Path) -> None:
     cfg = load_config(argv, defaults=defaults)
     trainer = setup(cfg, module.SPEC)
     t1 = time.perf_counter()
-    (controller,) = [hook for hook in trainer.step_hooks if hasattr(hook, "executor")]
+    (controller,) = [hook for hook in trainer.step_hooks if isinstance(hook, ResizeController)]
     executor = controller.executor
     exchange = executor.exchange
     layout = trainer.layout

@@ -24,6 +24,7 @@ from megatron.core import parallel_state as ps
 import pretrain_gpt
 import pretrain_vit
 from megahet.config import load_config
+from megahet.resizing import ResizeController
 from megahet.training import setup
 
 
@@ -33,7 +34,7 @@ def run(name: str, task: str, argv: list[str], out: Path) -> None:
     module = pretrain_gpt if task == "gpt" else pretrain_vit
     defaults = pretrain_vit.default_config() if task == "vit" else None
     trainer = setup(load_config(argv, defaults=defaults), module.SPEC)
-    (controller,) = [hook for hook in trainer.step_hooks if hasattr(hook, "executor")]
+    (controller,) = [hook for hook in trainer.step_hooks if isinstance(hook, ResizeController)]
     executor = controller.executor
     plans = []  # the plan in force at every training step
     before_forward_backward = controller.before_forward_backward

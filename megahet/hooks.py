@@ -1,0 +1,58 @@
+"""The step-hook interface: what the Trainer calls around every optimizer step.
+
+Role: runtime (interface). `ResizeController` (megahet/resizing.py: executes the resize / migration plan),
+`BalanceController` (megahet/balancing.py: measures, estimates speeds, plans) and `DeviceStepHook`
+(megahet/devices.py: a virtual device's step) implement it. A hook overrides what it needs; the rest
+are no-ops, and the Trainer calls every method of every hook.
+
+One step: before_forward_backward(step) -> the schedule's forward + backward -> before_step(engine) ->
+engine.step() -> after_step(engine). At each log interval `metrics()` are reduced over all ranks (min /
+max) and `report()`, this rank's own view (e.g. its TP group's plan), is logged as is. `evaluation()` is
+entered around every evaluation, `close()` runs at the end of training. A hook with `checkpointed =
+True` has `state_dict()` saved with every checkpoint and handed back through `load_state_dict()` on
+resume when its settings (`cfg`, a dataclass, but for the names in `settings_free`) are the saved ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+
+class StepHook:
+    checkpointed: bool = False
+    """Whether the checkpoint carries this hook's state (state_dict / load_state_dict)."""
+    cfg: Any = None
+    """The settings dataclass the hook's state belongs to (compared on resume), or None."""
+    settings_free: tuple[str, ...] = ()
+    """Settings in `cfg` that do not shape the state (a changed one keeps the saved state)."""
+
+    def before_forward_backward(self, step: int) -> None:
+        """Before the schedule runs step `step` (0-based): apply a new plan here."""
+
+    def before_step(self, engine) -> None:
+        """After the backward, before the optimizer step (gradients final, not yet reduced over DP)."""
+
+    def after_step(self, engine) -> None:
+        """After the optimizer step and the step's time measurement."""
+
+    def metrics(self) -> dict[str, float]:
+        """Numbers to log as min / max over all ranks."""
+        return {}
+
+    def report(self) -> dict[str, float]:
+        """Numbers this rank logs as they are (no reduction)."""
+        return {}
+
+    def evaluation(self) -> contextlib.AbstractContextManager:
+        """Entered around an evaluation pass."""
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        """At the end of training."""
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError(f"{type(self).__name__} is not checkpointed")
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError(f"{type(self).__name__} is not checkpointed")

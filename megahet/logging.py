@@ -1,5 +1,11 @@
 """Training telemetry: one console line per log interval, Weights & Biases (offline by default), TensorBoard.
 
+Role: runtime (reporting). The console line carries what a person reads at a glance: step, loss, lr,
+grad norm, throughput, step time, the per-TP-rank plan (speed, gamma, moved) and the balancer's
+efficiency E, and evaluation results. Every metric (per-rank compute and wait spreads, hook time,
+estimated speeds, plan changes, block FLOPs, migration traffic, virtual-device charges) goes to W&B,
+TensorBoard and the metrics file.
+
 Only the logging rank (TP rank 0 of DP replica 0 on the last pipeline stage, where the loss is)
 writes; every other rank gets a logger whose calls do nothing.
 
@@ -18,7 +24,8 @@ from typing import Any
 from megahet.config import MegahetConfig
 from megahet.parallel import ParallelLayout
 
-# How each known metric is printed on the console line; others print with 4 significant digits.
+# The metrics the console line prints, and how; evaluation results (val_*, test_*) print with 4
+# significant digits; every other metric goes only to W&B, TensorBoard and the metrics file.
 _CONSOLE_FORMAT = {
     "loss": "loss {:.4f}",
     "lr": "lr {:.3e}",
@@ -26,19 +33,18 @@ _CONSOLE_FORMAT = {
     "tokens_per_s": "{:.0f} tokens/s",
     "samples_per_s": "{:.1f} samples/s",
     "step_time_s": "step {:.3f} s",
-    "compute_min_s": "compute min {:.3f} s",
-    "compute_max_s": "max {:.3f} s",
-    "wait_min_s": "wait min {:.3f} s",
-    "wait_max_s": "max {:.3f} s",
     "balance_eff": "E {:.3f}",
 }
-_PER_TP_RANK = re.compile(r"^(.+)_tp(\d+)$")
+_PER_TP_RANK = re.compile(r"^(speed|gamma|moved)_tp(\d+)$")  # the plan, one value per TP rank
+_EVALUATION = ("val_", "test_")
 
 
 def format_console_line(step: int, total: int, metrics: dict[str, float]) -> str:
-    """One line; per-TP-rank metrics (name_tp0, name_tp1, ...) print as one field 'name v0 v1 ...'."""
+    """One line; per-TP-rank plan metrics (speed_tp0, speed_tp1, ...) print as one field 'speed v0 v1'."""
     parts, per_rank = [f"step {step:>6}/{total}"], {}
     for key, value in metrics.items():
+        if key not in _CONSOLE_FORMAT and not key.startswith(_EVALUATION) and not _PER_TP_RANK.match(key):
+            continue
         match = _PER_TP_RANK.match(key)
         if match:
             if match[1] not in per_rank:

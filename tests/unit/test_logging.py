@@ -8,6 +8,7 @@ offline wandb run).
 from __future__ import annotations
 
 import glob
+import json
 import time
 from pathlib import Path
 
@@ -59,10 +60,24 @@ def test_console_line_known_metrics_in_order() -> None:
             "compute_max_s": 0.0812,
         },
     )
-    assert line == (
-        "step      7/300 | loss 2.3457 | lr 3.000e-04 | grad norm 0.988 | 1235 tokens/s | step 0.123 s"
-        " | compute min 0.050 s | max 0.081 s"
+    assert (
+        line
+        == "step      7/300 | loss 2.3457 | lr 3.000e-04 | grad norm 0.988 | 1235 tokens/s | step 0.123 s"
     )
+
+
+def test_console_line_leaves_the_detail_to_the_metrics_sinks(tmp_path, capsys) -> None:
+    """Spreads, hook time, estimates and traffic are not printed; the metrics file still has them."""
+    detail = {"compute_min_s": 0.05, "wait_max_s": 0.1, "hooks_s": 0.002, "est_speed_min": 0.9,
+              "plan_changes_max": 3.0, "block_gflops_min": 1.5, "migration_mb_step_max": 2.0, "device_speed": 0.5}  # fmt: skip
+    metrics = {"loss": 1.5, **detail, "moved_tp0": 0.25, "moved_tp1": -0.25}
+    cfg = _cfg(tmp_path)
+    cfg.logging.metrics_file = str(tmp_path / "metrics.jsonl")
+    logger = TrainingLogger(cfg, _layout(), run_name="gpt")
+    logger.log(2, metrics)
+    logger.close()
+    assert capsys.readouterr().out.strip() == "step      2/50 | loss 1.5000 | moved 0.25 -0.25"
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 2, **metrics}
 
 
 def test_console_line_samples_and_unknown_metrics() -> None:

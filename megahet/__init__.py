@@ -1,4 +1,7 @@
-"""megahet: heterogeneity-aware 3D-parallel transformer pretraining on megatron-core + DeepSpeed ZeRO."""
+"""megahet: heterogeneity-aware 3D-parallel transformer pretraining on megatron-core + DeepSpeed ZeRO.
+
+Role: the package (its import sets the process-wide defaults megatron-core and DeepSpeed need).
+"""
 
 import os
 import warnings

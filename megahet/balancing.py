@@ -1,5 +1,7 @@
 """The balancer in the training loop: measure -> estimate speeds -> plan -> apply, between steps.
 
+Role: runtime (the balancer's step hook: measure, estimate, plan, hand the plan to the ResizeController).
+
 After every step each rank contributes two numbers — the work its resizable blocks executed (forward
 + backward FLOPs) and its own compute time in its transformer layers (their forward and backward
 minus the time it was blocked in collectives, megahet/timing.py: a fast rank's waits for its slow

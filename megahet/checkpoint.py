@@ -1,5 +1,7 @@
 """Save and resume training through DeepSpeed checkpoints, atomically (see docs/checkpoints.md).
 
+Role: runtime (save and resume).
+
     --train.save DIR --train.save_interval N   # every N steps and at the end
     --train.load DIR                           # resume from DIR's latest checkpoint
 

@@ -1,5 +1,7 @@
 """One configuration system for every megahet entry point: dataclasses, a YAML file, CLI overrides.
 
+Role: configuration (the settings, as data).
+
     cfg = load_config(["--config", "examples/cpu/gpt_tp2_pp2.yaml", "--train.lr", "3e-4"])
 
 Sections are `model`, `parallel`, `train`, `data` and `logging`; a key is overridden on the command

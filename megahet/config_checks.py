@@ -1,4 +1,6 @@
 """Checks of a whole configuration against the world size, before any rank starts work: every bad value
+
+Role: configuration (validation, before any rank starts).
 is a one-line `ConfigError` that names the key and the fix.
 
     dp = validate(load_config(argv), world_size=8)   # the data-parallel size

@@ -1,4 +1,6 @@
 """Checkpoint conversion: megahet (DeepSpeed, any TP x PP) -> one unsharded state dict -> Hugging Face
+
+Role: tooling (offline checkpoint conversion, behind tools/convert_checkpoint.py).
 GPT-2, ViT safetensors, or a weights-only megahet checkpoint at another TP x PP.
 
     state, meta = consolidate("ckpt")                  # DIR (its `latest`) or DIR/iter_NNNNNNN

@@ -1,5 +1,7 @@
 """Virtual heterogeneous devices: per-rank speed profiles; a device only slows its rank down.
 
+Role: runtime (emulation: a virtual device slows its rank; the balancer never reads it).
+
 Real mixed clusters are not available here, so each rank can run on a *virtual device* whose speed
 s(t) comes from a profile. The work the rank actually executes (the FLOPs of the units it computed,
 migrated-in units included, from the resizable layers' counters; backward = 2 x forward) is charged

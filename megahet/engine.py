@@ -1,5 +1,7 @@
 """The DeepSpeed engine for a megatron-core model: ds_config, parameter groups and LR schedule.
 
+Role: runtime (the DeepSpeed engine).
+
 megatron-core's pipeline schedule runs the forward and backward passes itself (`torch.autograd.
 backward` per micro-batch), so the engine runs with `managed_gradient_accumulation: false`:
 DeepSpeed's torch-style backward hooks accumulate gradients locally, and `engine.step()` is the

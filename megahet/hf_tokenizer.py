@@ -1,5 +1,7 @@
 """The run's SentencePiece BPE tokenizer as a Hugging Face `tokenizers` tokenizer.json, with the same ids.
 
+Role: tooling (Hugging Face export).
+
     tokenizer = hf_tokenizer("ckpt/iter_0000300/tokenizer.model", model_max_length=1024)
     save_hf_tokenizer(tokenizer, Path("hf_dir"))     # AutoTokenizer.from_pretrained("hf_dir")
 

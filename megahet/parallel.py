@@ -1,5 +1,7 @@
 """Process groups for TP x PP x DP over megatron-core, and the DeepSpeed `mpu` adapter.
 
+Role: runtime (process groups).
+
 Glossary: we say *TP group* for the ranks that split one layer's matmuls, *PP stage* for the ranks
 that hold one slice of the layers, *DP replica* for a full copy of the model, and *model parallel
 group* for the TP x PP ranks of one DP replica (what DeepSpeed calls "model parallel").

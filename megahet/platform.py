@@ -1,5 +1,7 @@
 """CPU/gloo shims for the few megatron-core and DeepSpeed calls that assume CUDA.
 
+Role: runtime (CPU / GPU differences, in one place).
+
 megatron-core 0.16 runs on CPU with the gloo backend except for a handful of calls that name the
 CUDA device directly. `apply_cpu_shims()` patches exactly those, and only when CUDA is absent, so
 the same code runs unchanged on GPUs with NCCL. Every shim states why it exists and has a test in

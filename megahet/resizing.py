@@ -1,4 +1,6 @@
 """Static ZERO-resizing in the training loop: every `resize.reselect_interval` steps, ask the planner
+
+Role: runtime (the resize / migration step hook: executes the plan it is given between steps).
 for a plan (gammas from the config, units from the selection policy) and hand it to the executor.
 
 A step hook of the Trainer (see training.py): `before_forward_backward`, `before_step`,

@@ -1,5 +1,7 @@
 """A rank's own compute per step: megatron-core's compute regions minus the time blocked in collectives.
 
+Role: runtime (measurement: what the balancer reads).
+
 Inside a TP group every block ends in a collective (row-parallel all-reduce in the forward, the
 column-parallel input-gradient all-reduce in the backward, the vocab-parallel embedding and
 cross-entropy reductions, ZeRO-2's reduce-scatters). A fast rank reaches each one early and waits there

@@ -1,5 +1,7 @@
 """The training loop shared by pretrain_gpt.py and pretrain_vit.py.
 
+Role: runtime (the training loop and setup).
+
 A step: zero grads -> megatron-core's forward/backward schedule (1F1B when PP > 1) over this DP
 rank's micro-batches, calling the DeepSpeed engine as the model -> finalize gradients (tied
 embeddings across pipeline stages) -> `engine.step()` (ZeRO reduction, clipping, AdamW, LR).

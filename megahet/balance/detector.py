@@ -1,5 +1,7 @@
 """Straggler detection: per-rank compute times in, smoothed speed estimates out. Pure.
 
+Role: policy (pure: measured times in, speed estimates out).
+
 Each step every rank reports its compute time (communication waits excluded) and the work it
 executed (FLOPs of the units it computed, so a plan change does not look like a speed change); the
 TP group all-gathers these few numbers and every rank feeds the same `SpeedEstimator`. A rank's speed

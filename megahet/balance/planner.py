@@ -1,5 +1,7 @@
 """The balancing planner: estimated speeds in, per-rank work targets out. Pure functions.
 
+Role: policy (pure: speeds in, per-rank work targets out).
+
 For one TP group of N ranks with U units each in every block and speeds s_i (any unit: only ratios
 matter), the ideal split gives rank i the share N*U*s_i / sum(s) of the group's work.
 

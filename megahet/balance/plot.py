@@ -1,5 +1,7 @@
 """Draw a balancer trace (`--balance.trace run.jsonl`): per-rank step time and plan over the run.
 
+Role: reporting (draws a balancer trace; no training state).
+
     python tools/plot_balance.py run.jsonl [--out run.png] [--dp 0]
 
 Three panels, one line per TP rank of one DP replica: compute (busy) time per step with the step

@@ -1,5 +1,7 @@
 """ZERO-resizing planner: per-rank gammas -> a ResizePlan. Pure functions.
 
+Role: policy (pure: targets and gammas in, the ResizePlan's units out; the one bridge from WorkTarget fractions to the plan).
+
 Resizing a rank by gamma drops floor(gamma * units) of its units in every resizable block, unless a
 per-block override gives that block its own gamma. Which units: a `choose(block, rank, n_drop)`
 callback (random or priority selection, see selection.py).

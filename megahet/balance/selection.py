@@ -1,5 +1,7 @@
 """Which units to drop: random (seeded) and priority selection, with a fairness guard. Pure functions.
 
+Role: policy (which units to drop); its GradientStats are the one piece of policy state kept as tensors, on the gradients' device.
+
 Priority: "drop the units that matter least, more often". After every step each computed unit's
 gradient (a fixed sample of its elements) is folded into running statistics (`update_gradient_stats`:
 EMAs of the gradient, of its squared norm and of the squared first-order removal cost (g . w)^2);

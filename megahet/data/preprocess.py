@@ -1,5 +1,7 @@
 """Tokenize a ``{"text": ...}`` jsonl into a megatron-core indexed dataset (``.bin`` + ``.idx``).
 
+Role: data.
+
 Like Megatron-LM's ``tools/preprocess_data.py``: one sequence per document (plus ``eod`` when
 ``append_eod``), written with ``IndexedDatasetBuilder`` to ``<output_prefix>_<json_key>_document``
 ``.bin/.idx``, with the smallest token dtype that holds the vocabulary (uint16 below 65500).

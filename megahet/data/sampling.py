@@ -1,5 +1,7 @@
 """Deterministic micro-batch streams for one data-parallel rank, resumable from any sample.
 
+Role: data.
+
 Global batch g covers samples [start + g*G, start + (g+1)*G) of the (optionally per-epoch shuffled)
 dataset order; DP rank r takes the r-th contiguous G/DP slice of it, in micro-batches of M. So any
 DP size sees the same samples per step, and DP=2 trains on exactly what DP=1 does.

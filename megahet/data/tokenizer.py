@@ -1,5 +1,7 @@
 """SentencePiece BPE tokenizer: deterministic training and a megatron-core tokenizer wrapper.
 
+Role: data.
+
 ``train_sentencepiece(corpus.jsonl, DIR/spm)`` trains a byte-fallback BPE model (about 1.5 s for
 8k pieces on the ~9 M-character corpus) and writes ``DIR/spm.model`` and ``DIR/spm.vocab``.
 ``SentencePieceTokenizer(DIR/spm.model)`` is what ``GPTDatasetConfig.tokenizer`` takes.

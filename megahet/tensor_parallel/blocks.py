@@ -1,5 +1,7 @@
 """Resizable blocks of a model: the two TP layers that share work units, found by walking the model.
 
+Role: mechanism.
+
     blocks = find_blocks(model)             # {("mlp", 1): Block, ("attn", 1): Block, ...}
     blocks[("mlp", 1)].apply(kept_units)     # the layers compute only those units
 

@@ -1,5 +1,7 @@
 """Executes a ResizePlan on this rank: layer index sets, gradient policy, optimizer freeze, statistics.
 
+Role: mechanism (executes the plan it is given; no policy).
+
     executor = ResizeExecutor(model, dp_rank=0, tp_rank=1, dp_size=2, imputation="zero", num_microbatches=4)
     executor.apply(plan)              # between steps; no model or engine rebuild
     ... forward/backward ...          # gradient hooks impute and rescale per micro-batch

@@ -1,5 +1,7 @@
 """Resizable tensor-parallel layers: megatron-core's TP linears and self-attention, computing a subset.
 
+Role: mechanism (layers that compute the index set they are given).
+
 Each layer executes the index set it is given (`set_kept`) and nothing else; which units to keep
 is decided elsewhere (the plan). With no index set they are megatron-core's layers exactly.
 

@@ -1,5 +1,7 @@
 """Lightweight migration: move migrated units' weights to helpers and their gradients back to owners.
 
+Role: mechanism (the collectives that move migrated units).
+
 A helper computes a migrated unit from the column-parallel input it already holds (replicated over
 the TP group) and adds the unit's partial row-parallel output into its own partial sum before the
 all-reduce it already performs, so the forward pass moves no extra activations. What moves, point to

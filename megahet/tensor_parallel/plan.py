@@ -1,5 +1,7 @@
 """The work-unit plan: which units of which layer each rank drops. Pure data, serializable.
 
+Role: the plan (data passed from policy to mechanism).
+
 Glossary: a *work unit* is the granule that is resized (and later migrated): an MLP hidden unit
 (one fc1 output row with its bias entry and the matching fc2 input column) or an attention head (its
 q, k, v rows of linear_qkv and the matching columns of linear_proj). A *block* is the pair of GEMMs

@@ -160,17 +160,7 @@ class BalanceController(StepHook):
         if new != self.targets:
             self.targets = new
             self.changes += 1
-            self._hand_over(new)
-            self.resize.request_replan()
-
-    def _hand_over(self, targets: list[WorkTarget]) -> None:
-        """The targets, as the ResizeController's per-rank gammas and moves (its next plan's input)."""
-        self.resize.gammas = {
-            (dp, tp): g for dp, t in enumerate(targets) for tp, g in t.gamma.items() if g > 0
-        }
-        self.resize.moves = {
-            (dp, tp): helpers for dp, t in enumerate(targets) for tp, helpers in t.moves.items()
-        }
+            self.resize.set_targets(new)
 
     def state_dict(self) -> dict:
         """What the next decisions depend on (the last step's gather folded in first)."""
@@ -191,7 +181,7 @@ class BalanceController(StepHook):
                 samples.clear()
                 samples.extend(values)
         self.targets = [WorkTarget(**t) for t in state["targets"]]
-        self._hand_over(self.targets)
+        self.resize.set_targets(self.targets, replan=False)  # it restores the executed plan itself
         self.changes, self._efficiency, self._due = state["changes"], list(state["efficiency"]), state["due"]
         self.step = state["step"]
         self._trace_from = self.step + 1

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megahet import platform
+from megahet.balance.planner import WorkTarget
 from megahet.balance.resize_planner import (
     parse_block_gammas,
     parse_migrations,
@@ -128,6 +129,15 @@ class ResizeController(StepHook):
     def request_replan(self) -> None:
         """Plan again at the next step (the balancer changed gammas or moves)."""
         self._replan = True
+
+    def set_targets(self, targets: list[WorkTarget], replan: bool = True) -> None:
+        """The bridge from the balancer's plan form to this controller's: per DP replica, a WorkTarget's
+        fractions become per-rank gammas (resize) and moves (migration), which `plan_resize` and
+        `plan_migration` turn into the ResizePlan's whole units at the next planning step."""
+        self.gammas = {(dp, tp): g for dp, t in enumerate(targets) for tp, g in t.gamma.items() if g > 0}
+        self.moves = {(dp, tp): helpers for dp, t in enumerate(targets) for tp, helpers in t.moves.items()}
+        if replan:
+            self.request_replan()
 
     def before_forward_backward(self, step: int) -> None:
         self.step = step

@@ -24,6 +24,7 @@ import torch
 from megahet.balancing import BalanceController
 from megahet.config import MegahetConfig, apply_overrides
 from megahet.parallel import ParallelLayout
+from megahet.resizing import ResizeController
 from megahet.tensor_parallel.plan import ResizePlan
 from megahet.timing import StepTimes
 
@@ -44,6 +45,8 @@ class _FakeResize:
         self.gammas, self.moves, self.replans = {}, {}, 0
         self.units = {("mlp", 1): 8, ("attn", 1): 4}
         self.executor = types.SimpleNamespace(executed_flops=lambda: 0, plan=ResizePlan())
+
+    set_targets = ResizeController.set_targets  # the real bridge from targets to gammas and moves
 
     def request_replan(self) -> None:
         self.replans += 1

@@ -18,6 +18,7 @@ from resize_gpt import (
     gpt,
 )
 
+from megahet.balance.planner import WorkTarget
 from megahet.config import load_config
 from megahet.parallel import current_layout
 from megahet.resizing import ResizeController
@@ -87,8 +88,7 @@ def test_controller_resizes_a_rank_the_balancer_names_for_the_first_time(world1)
 
     def balancer(t):
         if t == 1:
-            ctrl.gammas = {(0, 0): 0.5}  # what BalanceController does
-            ctrl.request_replan()
+            ctrl.set_targets([WorkTarget(gamma={0: 0.5})])  # what BalanceController does
 
     run_controller(ctrl, model, optimizer, range(3), balancer)
     for block, n in ctrl.units.items():

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import RESULTS, save_results, settings_to_args, torchrun
 from benchmarks.contention import competing_process, core_share, schedstat, two_cores
-from megahet.balance.plot import read_trace
+from megahet.runtime.trace_plot import read_trace
 
 RUNS = RESULTS / "real_contention_runs"
 MODES = ("static", "resize", "migrate", "semi")

@@ -27,12 +27,12 @@ import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from benchmarks.common import interleaved_medians, save_results
-from megahet.balance.resize_planner import plan_resize
-from megahet.balance.selection import select_random
 from megahet.config import MegahetConfig
 from megahet.models.common import resizable_layer_spec, transformer_config
 from megahet.parallel import initialize_parallel
 from megahet.platform import cuda_available, device, synchronize
+from megahet.policy.resize_planner import plan_resize
+from megahet.policy.selection import select_random
 from megahet.tensor_parallel.executor import ResizeExecutor
 from megahet.tensor_parallel.plan import ResizePlan
 

@@ -157,7 +157,7 @@ class ResizeConfig:
     priority_score: Literal["variance", "snr", "signal", "taylor"] = "variance"
     """Priority of a unit from its gradient statistics: variance over steps, snr (steady share of the
     gradient, what Adam's update size follows), signal (norm of the mean gradient) or taylor (squared
-    first-order loss change of removing the unit, (g . w)^2); see megahet/balance/selection.py."""
+    first-order loss change of removing the unit, (g . w)^2); see megahet/policy/selection.py."""
     priority_temperature: float = 1.0
     """0: drop the lowest scores; t > 0: sample the dropped units with probability proportional to
     score^(-1/t) (seeded: reproducible, the same on every rank); large t approaches random."""
@@ -178,7 +178,7 @@ class ResizeConfig:
 
 @dataclasses.dataclass(kw_only=True)
 class DeviceConfig:
-    """Virtual heterogeneous devices (emulated speeds; see megahet/devices.py)."""
+    """Virtual heterogeneous devices (emulated speeds; see megahet/runtime/devices.py)."""
 
     profile: str | None = None
     """Per-TP-rank speeds: static:S0,S1,..., schedule:STEP=S0,...;STEP=..., rotating:SLOWDOWN,PERIOD,
@@ -189,7 +189,7 @@ class DeviceConfig:
 
 @dataclasses.dataclass(kw_only=True)
 class BalanceConfig:
-    """The automatic balancer (see megahet/balancing.py and megahet/balance/planner.py)."""
+    """The automatic balancer (see megahet/runtime/balancer.py and megahet/policy/planner.py)."""
 
     mode: Literal["static", "resize", "migrate", "semi"] = "static"
     """static: no balancing; resize: ZERO-resizing only; migrate: lossless migration only; semi: both."""

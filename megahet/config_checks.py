@@ -91,7 +91,7 @@ def validate(cfg: MegahetConfig, world_size: int) -> int:
 
 
 def _validate_device(cfg: MegahetConfig) -> None:
-    from megahet.devices import parse_profile
+    from megahet.runtime.devices import parse_profile
 
     d = cfg.device
     _require(d.rate_gflops > 0, f"device.rate_gflops must be positive, got {d.rate_gflops}")
@@ -103,7 +103,7 @@ def _validate_device(cfg: MegahetConfig) -> None:
 
 
 def _validate_resize(cfg: MegahetConfig, dp: int) -> None:
-    from megahet.balance.resize_planner import parse_block_gammas, parse_migrations, parse_rank_gammas
+    from megahet.policy.resize_planner import parse_block_gammas, parse_migrations, parse_rank_gammas
 
     r = cfg.resize
     try:

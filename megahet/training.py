@@ -32,11 +32,11 @@ from megahet.config_checks import validate
 from megahet.elastic import plan_resume, reshard_checkpoint
 from megahet.engine import build_engine, fold_deepspeed_json
 from megahet.failures import first_local_rank, is_peer_loss, lost_peer_message, record_peers
-from megahet.hooks import StepHook
 from megahet.logging import TrainingLogger
 from megahet.parallel import ParallelLayout, destroy_parallel, initialize_parallel
 from megahet.platform import cuda_available
-from megahet.timing import CommClock, ComputeTimers, StepTimes, time_layers
+from megahet.runtime.hooks import StepHook
+from megahet.runtime.timing import CommClock, ComputeTimers, StepTimes, time_layers
 
 ForwardStep = Callable[[Iterator[dict], torch.nn.Module], tuple[torch.Tensor, Callable]]
 
@@ -124,7 +124,7 @@ class Trainer:
         self.timers = ComputeTimers(self.clock)
         self.times = StepTimes(0.0, 0.0, 0.0)
         """The last step's own compute, collective waits and own compute inside the transformer layers
-        (megahet/timing.py)."""
+        (megahet/runtime/timing.py)."""
         model_config = task.model.config
         model_config.timers = self.timers
         model_config.finalize_model_grads_func = lambda *args, **kwargs: finalize_grads(task.model)
@@ -307,13 +307,18 @@ def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
     hooks: list[StepHook] = []
     resizer = None
     if cfg.resize.active or cfg.balance.active:
-        from megahet.resizing import ResizeController
+        from megahet.runtime.resizer import ResizeController
 
         num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.dp_size)
         resizer = ResizeController(cfg, task.model, layout, num_microbatches)
         hooks.append(resizer)
     if cfg.device.profile:
-        from megahet.devices import DeviceStepHook, VirtualDevice, attach_virtual_device, parse_profile
+        from megahet.runtime.devices import (
+            DeviceStepHook,
+            VirtualDevice,
+            attach_virtual_device,
+            parse_profile,
+        )
 
         profile = parse_profile(cfg.device.profile)
         device = VirtualDevice(profile, layout.tp_rank, layout.tp_size, cfg.device.rate_gflops)
@@ -321,7 +326,7 @@ def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
         hooks.append(DeviceStepHook(device))
     trainer = Trainer(cfg, task, engine, layout, logger, hooks)
     if cfg.balance.active:
-        from megahet.balancing import BalanceController
+        from megahet.runtime.balancer import BalanceController
 
         # First: it plans at the start of a step, before the ResizeController executes the plan.
         time_layers(task.model, trainer.clock)

@@ -122,7 +122,7 @@ def test_migration_keeps_every_tensor_on_the_gpu(world1, monkeypatch, tp_rank: i
 
 
 def test_cuda_event_clock_times_a_region_without_synchronizing(monkeypatch) -> None:
-    from megahet.timing import CommClock, CudaStamps
+    from megahet.runtime.timing import CommClock, CudaStamps
 
     a = torch.randn(4096, 4096, device="cuda")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

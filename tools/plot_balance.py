@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megahet.balance.plot import plot_trace
+from megahet.runtime.trace_plot import plot_trace
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megahet.balance.detector import SpeedEstimator
-from megahet.balance.planner import (
+from megahet.policy.detector import SpeedEstimator
+from megahet.policy.planner import (
     WorkTarget,
     balance,
     hysteresis,
@@ -14,7 +14,7 @@ from megahet.balance.planner import (
     plan_resize_only,
     plan_semi,
 )
-from megahet.balance.resize_planner import balanced_counts, plan_migration
+from megahet.policy.resize_planner import balanced_counts, plan_migration
 
 
 def _time(work: list[float], speeds: list[float]) -> list[float]:

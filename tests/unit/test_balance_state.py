@@ -21,12 +21,12 @@ import types
 import pytest
 import torch
 
-from megahet.balancing import BalanceController
 from megahet.config import MegahetConfig, apply_overrides
 from megahet.parallel import ParallelLayout
-from megahet.resizing import ResizeController
+from megahet.runtime.balancer import BalanceController
+from megahet.runtime.resizer import ResizeController
+from megahet.runtime.timing import StepTimes
 from megahet.tensor_parallel.plan import ResizePlan
-from megahet.timing import StepTimes
 
 STEPS, TP = 30, 2
 LAYOUT = ParallelLayout(

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from megahet.balancing import compute_efficiency, trace_path
 from megahet.logging import format_console_line
+from megahet.runtime.balancer import compute_efficiency, trace_path
 from megahet.tensor_parallel.plan import ResizePlan
 from tools import plot_balance
 

@@ -27,7 +27,7 @@ from megahet import checkpoint
 from megahet.config import ConfigError, MegahetConfig, apply_overrides
 from megahet.config_checks import validate
 from megahet.engine import build_engine, lr_lambda
-from megahet.hooks import StepHook
+from megahet.runtime.hooks import StepHook
 
 
 class _Toy(torch.nn.Module):

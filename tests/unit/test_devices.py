@@ -10,10 +10,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megahet.devices import DeviceStepHook, SpeedProfile, VirtualDevice, attach_virtual_device, parse_profile
+from megahet.runtime.devices import (
+    DeviceStepHook,
+    SpeedProfile,
+    VirtualDevice,
+    attach_virtual_device,
+    parse_profile,
+)
+from megahet.runtime.timing import CommClock
 from megahet.tensor_parallel.executor import ResizeExecutor
 from megahet.tensor_parallel.plan import ResizePlan
-from megahet.timing import CommClock
 
 SEED = 99
 

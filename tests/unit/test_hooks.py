@@ -1,4 +1,4 @@
-"""The step-hook interface (megahet/hooks.py): every hook the Trainer runs declares it, so the Trainer calls
+"""The step-hook interface (megahet/runtime/hooks.py): every hook the Trainer runs declares it, so the Trainer calls
 each method of each hook without probing, and only hooks that say so are checkpointed.
 
 Run: ``python -m pytest tests/unit/test_hooks.py -q`` (seconds).
@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from megahet.balancing import BalanceController
-from megahet.devices import DeviceStepHook
-from megahet.hooks import StepHook
-from megahet.resizing import ResizeController
+from megahet.runtime.balancer import BalanceController
+from megahet.runtime.devices import DeviceStepHook
+from megahet.runtime.hooks import StepHook
+from megahet.runtime.resizer import ResizeController
 
 
 @pytest.mark.parametrize(

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import pytest
 
-from megahet.balance.resize_planner import parse_migrations, plan_migration
 from megahet.config import ConfigError, load_config
 from megahet.config_checks import validate
+from megahet.policy.resize_planner import parse_migrations, plan_migration
 from megahet.tensor_parallel.plan import ResizePlan
 
 UNITS = {("attn", 1): 2, ("mlp", 1): 64, ("attn", 2): 2, ("mlp", 2): 64}

@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks.contention import competing_process, core_share, schedstat, two_cores
 from benchmarks.real_contention import add_speedups, goals, summarize
-from megahet.balancing import compute_efficiency
+from megahet.runtime.balancer import compute_efficiency
 from tools.pin_ranks import rank_core
 
 

@@ -18,10 +18,10 @@ from resize_gpt import (
     gpt,
 )
 
-from megahet.balance.planner import WorkTarget
 from megahet.config import load_config
 from megahet.parallel import current_layout
-from megahet.resizing import ResizeController
+from megahet.policy.planner import WorkTarget
+from megahet.runtime.resizer import ResizeController
 from megahet.tensor_parallel.plan import ResizePlan
 
 

@@ -30,8 +30,6 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from resize_reference import zero_units
 
-from megahet.balance.resize_planner import plan_resize
-from megahet.balance.selection import select_random
 from megahet.config import MegahetConfig, apply_overrides
 from megahet.models.common import (
     default_layer_spec,
@@ -41,6 +39,8 @@ from megahet.models.common import (
 )
 from megahet.models.gpt import build_gpt
 from megahet.models.vit import build_vit
+from megahet.policy.resize_planner import plan_resize
+from megahet.policy.selection import select_random
 from megahet.tensor_parallel.blocks import find_blocks
 from megahet.tensor_parallel.executor import ResizeExecutor
 from megahet.tensor_parallel.layers import (

@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 import torch
 
-from megahet.balance.resize_planner import (
+from megahet.policy.resize_planner import (
     parse_block_gammas,
     parse_rank_gammas,
     plan_resize,
     units_to_drop,
 )
-from megahet.balance.selection import (
+from megahet.policy.selection import (
     GradientStats,
     priority_scores,
     select_priority,

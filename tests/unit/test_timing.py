@@ -1,4 +1,4 @@
-"""The own-compute clock (megahet/timing.py): regions minus collective waits, which collectives it
+"""The own-compute clock (megahet/runtime/timing.py): regions minus collective waits, which collectives it
 wraps, async Work waits, nesting, and that nothing outside a region is counted. The two-rank check
 that a fast rank's waits for a slow peer are not its compute is in tests/distributed/test_timing.py."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megahet.timing import COLLECTIVES, CommClock, ComputeTimers, time_layers
+from megahet.runtime.timing import COLLECTIVES, CommClock, ComputeTimers, time_layers
 
 
 class FakeStamps:
@@ -137,7 +137,7 @@ def test_compute_timers_accept_every_timer_name():
 
 @pytest.mark.gpu
 def test_cuda_event_clock_needs_no_synchronize_per_region():
-    from megahet.timing import CudaStamps
+    from megahet.runtime.timing import CudaStamps
 
     clock = CommClock(CudaStamps())
     a = torch.randn(2048, 2048, device="cuda")
@@ -152,7 +152,7 @@ def test_cuda_event_clock_needs_no_synchronize_per_region():
 def test_cuda_event_clock_logic_without_a_gpu(monkeypatch):
     """What a GPU run goes through, with torch.cuda.Event faked on the host: one event per stamp, read
     after the step in milliseconds -> seconds, and no torch.cuda.synchronize() anywhere in a step."""
-    from megahet.timing import CudaStamps
+    from megahet.runtime.timing import CudaStamps
 
     recorded = []
 

@@ -26,7 +26,7 @@ from megatron.core import parallel_state as ps
 
 import pretrain_gpt
 from megahet.config import load_config
-from megahet.hooks import StepHook
+from megahet.runtime.hooks import StepHook
 from megahet.training import setup
 
 

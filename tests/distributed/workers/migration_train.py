@@ -32,7 +32,7 @@ from megatron.core import parallel_state as ps
 import pretrain_gpt
 import pretrain_vit
 from megahet.config import load_config
-from megahet.resizing import ResizeController
+from megahet.runtime.resizer import ResizeController
 from megahet.tensor_parallel.plan import ResizePlan, block_name
 from megahet.training import setup
 

@@ -24,7 +24,7 @@ from megatron.core import parallel_state as ps
 import pretrain_gpt
 import pretrain_vit
 from megahet.config import load_config
-from megahet.resizing import ResizeController
+from megahet.runtime.resizer import ResizeController
 from megahet.training import setup
 
 

@@ -5,12 +5,12 @@ Role: runtime (emulation: a virtual device slows its rank; the balancer never re
 Real mixed clusters are not available here, so each rank can run on a *virtual device* whose speed
 s(t) comes from a profile. The work the rank actually executes (the FLOPs of the units it computed,
 migrated-in units included, from the resizable layers' counters; backward = 2 x forward) is charged
-`work / (rate x s(t))`, and just before every collective of a compute region (megahet/timing.py) the
+`work / (rate x s(t))`, and just before every collective of a compute region (megahet/runtime/timing.py) the
 device sleeps the part of the charge since the previous collective that its real compute did not use.
 So the delay sits inside the rank's compute, before the collective that ends the block, and its TP
 peers wait in that collective exactly as they do behind a really slow GPU. Resizing and migration
 change the delay because they change the work. Nothing reads the profile or the charge to balance:
-the balancer measures every rank's own compute (megahet/timing.py), so emulated and real slowness go
+the balancer measures every rank's own compute (megahet/runtime/timing.py), so emulated and real slowness go
 through one measurement path.
 
 Profiles (`--device.profile`, inline or a YAML/JSON file with the same fields), per TP rank:
@@ -36,10 +36,10 @@ import numpy as np
 import torch
 import yaml
 
-from megahet.hooks import StepHook
 from megahet.platform import cuda_available, synchronize
+from megahet.runtime.hooks import StepHook
+from megahet.runtime.timing import CommClock
 from megahet.tensor_parallel.blocks import find_blocks
-from megahet.timing import CommClock
 
 
 @dataclasses.dataclass(frozen=True)

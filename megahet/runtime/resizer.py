@@ -20,15 +20,17 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megahet import platform
-from megahet.balance.planner import WorkTarget
-from megahet.balance.resize_planner import (
+from megahet.config import MegahetConfig
+from megahet.parallel import ParallelLayout
+from megahet.policy.planner import WorkTarget
+from megahet.policy.resize_planner import (
     parse_block_gammas,
     parse_migrations,
     parse_rank_gammas,
     plan_migration,
     plan_resize,
 )
-from megahet.balance.selection import (
+from megahet.policy.selection import (
     GradientStats,
     priority_scores,
     select_priority,
@@ -36,9 +38,7 @@ from megahet.balance.selection import (
     update_drop_age,
     update_gradient_stats,
 )
-from megahet.config import MegahetConfig
-from megahet.hooks import StepHook
-from megahet.parallel import ParallelLayout
+from megahet.runtime.hooks import StepHook
 from megahet.tensor_parallel.executor import ResizeExecutor
 from megahet.tensor_parallel.plan import BlockKey, RankKey, ResizePlan, block_name, parse_block_name
 

@@ -1,8 +1,8 @@
 """The step-hook interface: what the Trainer calls around every optimizer step.
 
-Role: runtime (interface). `ResizeController` (megahet/resizing.py: executes the resize / migration plan),
-`BalanceController` (megahet/balancing.py: measures, estimates speeds, plans) and `DeviceStepHook`
-(megahet/devices.py: a virtual device's step) implement it. A hook overrides what it needs; the rest
+Role: runtime (interface). `ResizeController` (megahet/runtime/resizer.py: executes the resize / migration plan),
+`BalanceController` (megahet/runtime/balancer.py: measures, estimates speeds, plans) and `DeviceStepHook`
+(megahet/runtime/devices.py: a virtual device's step) implement it. A hook overrides what it needs; the rest
 are no-ops, and the Trainer calls every method of every hook.
 
 One step: before_forward_backward(step) -> the schedule's forward + backward -> before_step(engine) ->

@@ -4,14 +4,14 @@ Role: runtime (the balancer's step hook: measure, estimate, plan, hand the plan 
 
 After every step each rank contributes two numbers — the work its resizable blocks executed (forward
 + backward FLOPs) and its own compute time in its transformer layers (their forward and backward
-minus the time it was blocked in collectives, megahet/timing.py: a fast rank's waits for its slow
+minus the time it was blocked in collectives, megahet/runtime/timing.py: a fast rank's waits for its slow
 peers are not its compute; the embedding, output layer and loss, which no plan moves, are left out
 so that a rank doing fewer units does not look slower per unit) — gathered over its pipeline stage's
 TP x DP ranks by an asynchronous all-gather that completes while the step finishes. A virtual device
 is measured the same way: it only slows its rank down, and the balancer never reads its profile or
 charge. At the start of the next step every rank feeds the
 same `SpeedEstimator`s (one per DP replica's TP group) with them and, every `balance.interval` steps,
-runs the same pure planner (`megahet.balance.planner.balance`: static, resize, migrate or semi, with
+runs the same pure planner (`megahet.policy.planner.balance`: static, resize, migrate or semi, with
 hysteresis and a return to the even split when the group is healthy), so the resulting plan is
 identical everywhere. The ResizeController turns the targets into units at the next step.
 
@@ -44,12 +44,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megahet.balance.detector import SpeedEstimator
-from megahet.balance.planner import WorkTarget, balance
 from megahet.config import MegahetConfig
-from megahet.hooks import StepHook
 from megahet.parallel import ParallelLayout
-from megahet.timing import StepTimes
+from megahet.policy.detector import SpeedEstimator
+from megahet.policy.planner import WorkTarget, balance
+from megahet.runtime.hooks import StepHook
+from megahet.runtime.timing import StepTimes
 
 
 def compute_efficiency(work: list[float], busy: list[float]) -> float:
@@ -81,7 +81,7 @@ class BalanceController(StepHook):
     ):
         self.cfg, self.layout, self.resize = cfg.balance, layout, resize
         self.times = times
-        """The step just done as the Trainer measured it (megahet/timing.py). The balancer plans on
+        """The step just done as the Trainer measured it (megahet/runtime/timing.py). The balancer plans on
         `layers_s`, this rank's own compute inside its transformer layers (their time minus the time
         blocked in collectives); the trace also records `compute_s` and `wait_s`."""
         self.step_start = step_start
@@ -257,6 +257,6 @@ class BalanceController(StepHook):
             return
         self._trace.close()
         self._trace, trace_file, self.trace_file = None, self.trace_file, None  # closed: no more rows
-        from megahet.balance.plot import plot_trace
+        from megahet.runtime.trace_plot import plot_trace
 
         plot_trace(trace_file, trace_file.with_suffix(".png"))

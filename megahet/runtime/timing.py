@@ -26,7 +26,7 @@ The balancer reads `layers_s`: the compute of the work a plan can move. A rank d
 runs the same embedding, output layer and loss; counting them would make it look slower per unit.
 
 `CommClock.before_collective` callbacks run just before every collective issued inside a region: a
-virtual device (megahet/devices.py) pays its emulated delay there, so its peers wait in that collective
+virtual device (megahet/runtime/devices.py) pays its emulated delay there, so its peers wait in that collective
 exactly as they do behind a really slow device.
 """
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from megahet.checkpoint import start_sample
+from megahet.checkpointing.checkpoint import start_sample
 from megahet.config import ConfigError, MegahetConfig
 from megahet.data.gpt_data import build_gpt_datasets
 from megahet.data.prepare import ensure_gpt_data, gpt_data_paths

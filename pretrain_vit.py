@@ -15,7 +15,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from megahet.checkpoint import start_sample
+from megahet.checkpointing.checkpoint import start_sample
 from megahet.config import ConfigError, MegahetConfig
 from megahet.data.mnist import load_mnist
 from megahet.data.sampling import micro_batches, to_device

@@ -26,10 +26,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megahet import checkpoint
+from megahet.checkpointing import checkpoint
+from megahet.checkpointing.elastic import plan_resume, reshard_checkpoint
 from megahet.config import ConfigError, HelpRequested, MegahetConfig, config_help, load_config
 from megahet.config_checks import validate
-from megahet.elastic import plan_resume, reshard_checkpoint
 from megahet.engine import build_engine, fold_deepspeed_json
 from megahet.failures import first_local_rank, is_peer_loss, lost_peer_message, record_peers
 from megahet.logging import TrainingLogger

@@ -16,7 +16,7 @@ weights-only checkpoint folder for `pretrain_*.py --train.load OUT --parallel.tp
 `--with-optimizer` the ZeRO optimizer state (fp32 masters, Adam moments and step) and the LR schedule
 carry over too, per parameter (what a resumed run does by itself when its layout changed).
 `--vocab-size` (the tokenizer's vocabulary) is needed only when the GPT vocabulary's padding at the
-new TP is ambiguous (the error says so). See megahet/convert.py and docs/checkpoints.md.
+new TP is ambiguous (the error says so). See megahet/checkpointing/convert.py and docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ from pathlib import Path
 
 import torch
 
-from megahet.config import ConfigError, load_config
-from megahet.convert import (
+from megahet.checkpointing.convert import (
     checkpoint_tokenizer,
     consolidate,
     export_hf,
@@ -37,6 +36,7 @@ from megahet.convert import (
     model_settings,
     reshard,
 )
+from megahet.config import ConfigError, load_config
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Tests of megahet.checkpoint on one rank: finding the checkpoint to resume (one-line errors for a
+"""Tests of megahet.checkpointing.checkpoint on one rank: finding the checkpoint to resume (one-line errors for a
 missing folder, no checkpoint, an incomplete or truncated one, another parallel layout), a real
 DeepSpeed save / load round trip on a toy model (weights, AdamW moments, LR schedule, RNG streams,
 data position, step-hook state) that continues exactly like the uninterrupted run, atomic saves
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from megahet import checkpoint
+from megahet.checkpointing import checkpoint
 from megahet.config import ConfigError, MegahetConfig, apply_overrides
 from megahet.config_checks import validate
 from megahet.engine import build_engine, lr_lambda
@@ -414,7 +414,7 @@ def test_bf16_checkpoint_consolidates_to_the_fp32_master_weights(world1, tmp_pat
     (merged by DeepSpeed's zero_to_fp32), exactly the optimizer's, not the rounded copy."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    from megahet.convert import consolidate
+    from megahet.checkpointing.convert import consolidate
 
     cfg = _cfg(tmp_path, **{"train.precision": "bf16"})
     trainer = _trainer(cfg, world1)

@@ -1,4 +1,4 @@
-"""megahet.convert and tools/convert_checkpoint.py on synthetic checkpoints (one process, no launcher).
+"""megahet.checkpointing.convert and tools/convert_checkpoint.py on synthetic checkpoints (one process, no launcher).
 
 A TP=1 GPT's weights are sharded into TP=2 x PP=2 DeepSpeed-style `mp_rank_XX_model_states.pt` files;
 consolidating them must give the weights back exactly, and the Hugging Face export must reproduce the
@@ -28,8 +28,7 @@ import types
 import pytest
 import torch
 
-from megahet.config import ConfigError, ModelConfig, load_config
-from megahet.convert import (
+from megahet.checkpointing.convert import (
     check_reshard,
     checkpoint_tokenizer,
     consolidate,
@@ -41,6 +40,7 @@ from megahet.convert import (
     resharded_vocab_rows,
     shard,
 )
+from megahet.config import ConfigError, ModelConfig, load_config
 from megahet.data.tokenizer import SentencePieceTokenizer
 
 MODEL = ["--model.num_layers", "4", "--model.hidden_size", "64", "--model.num_attention_heads", "4",
@@ -210,8 +210,8 @@ def test_cli(gpt, lm, spm_model, tmp_path, capsys):
 
 
 def test_vit_export_round_trip(world1, tmp_path):
+    from megahet.checkpointing.convert import export_vit, load_vit_export
     from megahet.config import MegahetConfig
-    from megahet.convert import export_vit, load_vit_export
     from megahet.models.vit import build_vit
 
     cfg = load_config([*MODEL, "--model.seq_length", "128"])
@@ -500,7 +500,7 @@ def test_export_hf_needs_the_runs_tokenizer(gpt, lm, spm_model, corpus_docs, tmp
 def test_save_puts_the_tokenizer_in_the_checkpoint(world1, spm_model, tmp_path):
     """checkpoint.save copies Task.tokenizer_model into the checkpoint as tokenizer.model, listed in
     megahet.json (a truncated copy is refused on load); export-hf finds it there."""
-    from megahet import checkpoint
+    from megahet.checkpointing import checkpoint
     from megahet.config import MegahetConfig, apply_overrides
     from megahet.engine import build_engine
 

@@ -1,13 +1,13 @@
 """Tests of elastic resume's policy and its building blocks on one process (no process group):
 
-- megahet.elastic: `needs_reshard` (same layout, another DP, ZeRO stage, TP x PP; weights-only and
+- megahet.checkpointing.elastic: `needs_reshard` (same layout, another DP, ZeRO stage, TP x PP; weights-only and
   per-parameter checkpoints), `fit_layout` (the run's own TP x PP when it fits the world, else the
   largest TP' x PP' that passes every configuration check, ties to the larger TP; a one-line
   ConfigError naming train.load when none does) and `plan_resume` (the fitted configuration and the
   note naming the saved and the new layout);
-- megahet.checkpoint.check_model: a checkpoint of another model (shaping settings) or vocabulary is a
+- megahet.checkpointing.checkpoint.check_model: a checkpoint of another model (shaping settings) or vocabulary is a
   one-line ConfigError, dropout / init settings may change, old checkpoints without "model" pass;
-- megahet.optimizer_state: `read_zero_state` merging a hand-made DeepSpeed ZeRO-1/2 checkpoint (two DP
+- megahet.checkpointing.optimizer_state: `read_zero_state` merging a hand-made DeepSpeed ZeRO-1/2 checkpoint (two DP
   shards, a parameter spanning both, two param groups) into full tensors with Adam's step and the LRs,
   the one-line errors for a missing shard or no shards, and `zero_files`' numeric DP order.
 
@@ -24,11 +24,11 @@ import pytest
 import torch
 from deepspeed.utils.tensor_fragment import fragment_address
 
-from megahet.checkpoint import MODEL_SETTINGS_FREE, Resume, check_model, model_states_file
+from megahet.checkpointing.checkpoint import MODEL_SETTINGS_FREE, Resume, check_model, model_states_file
+from megahet.checkpointing.elastic import fit_layout, needs_reshard, plan_resume
+from megahet.checkpointing.optimizer_state import read_zero_state, zero_files
 from megahet.config import ConfigError, MegahetConfig, load_config
 from megahet.config_checks import validate
-from megahet.elastic import fit_layout, needs_reshard, plan_resume
-from megahet.optimizer_state import read_zero_state, zero_files
 
 
 def _cfg(*argv: str) -> MegahetConfig:

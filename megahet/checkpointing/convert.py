@@ -42,15 +42,15 @@ from pathlib import Path
 
 import torch
 
-from megahet.checkpoint import (
+from megahet.checkpointing.checkpoint import (
     LATEST,
     META,
     TOKENIZER,
     model_states_file,
     save_weights_only,
 )
+from megahet.checkpointing.hf_tokenizer import hf_tokenizer, save_hf_tokenizer
 from megahet.config import ConfigError, ModelConfig
-from megahet.hf_tokenizer import hf_tokenizer, save_hf_tokenizer
 from megahet.models.gpt import padded_vocab_size
 
 TIED_COPY = "output_layer.weight"
@@ -325,7 +325,7 @@ def _resharded(
 def _optimizer_stages(folder: Path, src: dict, m: ModelConfig, tp: int, pp: int, vocab: int | None):
     """The ZeRO optimizer state at TP=tp x PP=pp: [pp_rank][tp_rank] -> {key: {name: tensor}, "step", "lr",
     "lr_scheduler", "global_steps"}."""
-    from megahet.optimizer_state import TENSOR_KEYS, read_zero_state
+    from megahet.checkpointing.optimizer_state import TENSOR_KEYS, read_zero_state
 
     src_tp, src_pp = src["tp"], src["pp"]
     per_rank = [[read_zero_state(folder, p * src_tp + t) for t in range(src_tp)] for p in range(src_pp)]

@@ -9,7 +9,7 @@ The pieces and merges of the SentencePiece model become a BPE model; the leading
 to every text is a normalizer, words split before each "▁", unknown characters fall back to bytes, and
 <s>, </s>, <unk>, <pad> are special tokens plain text never produces. Settings that cannot be
 reproduced (unigram models, normalization rules, ...) are refused, and every piece is checked to
-tokenize to its own id. Used by megahet/convert.py's export_hf.
+tokenize to its own id. Used by megahet/checkpointing/convert.py's export_hf.
 """
 
 from __future__ import annotations

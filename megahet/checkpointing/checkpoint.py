@@ -403,7 +403,7 @@ def save(trainer) -> tuple[Path, float]:
 
 
 def optimizer_file(mp_rank: int) -> str:
-    """A resharded checkpoint's per-parameter optimizer state of one TP x PP rank (megahet/optimizer_state.py)."""
+    """A resharded checkpoint's per-parameter optimizer state of one TP x PP rank (megahet/checkpointing/optimizer_state.py)."""
     return f"megahet_optimizer_mp_rank_{mp_rank:02d}.pt"
 
 
@@ -495,7 +495,7 @@ def load(trainer, resume: Resume) -> float:
 def _load_per_parameter(trainer, resume: Resume) -> None:
     """A resharded checkpoint: this TP x PP rank's fp32 masters, Adam moments and step, and the LR
     schedule; RNG streams and step hooks (whose state belongs to the old layout) start fresh."""
-    from megahet.optimizer_state import load_into_engine
+    from megahet.checkpointing.optimizer_state import load_into_engine
 
     layout, engine = trainer.layout, trainer.engine
     saved = load_checkpoint_file(

@@ -6,7 +6,7 @@ masters and Adam's exp_avg / exp_avg_sq) and `param_slice_mappings`: per group, 
 fragment (numel, start) in that partition. A parameter's full tensor is its fragments concatenated in
 DP order, shaped as the model states file's `param_shapes` says (DeepSpeed's ds_to_universal reads
 them the same way). `read_zero_state` gives those full tensors by (stage-local) parameter name;
-megahet/convert.py reshards them with the weights; `load_into_engine` sets them into a running engine
+megahet/checkpointing/convert.py reshards them with the weights; `load_into_engine` sets them into a running engine
 through DeepSpeed's per-parameter API (safe_set_full_fp32_param / safe_set_full_optimizer_state), which
 is correct for any DP size, ZeRO stage and partitioning.
 
@@ -68,7 +68,7 @@ def read_zero_state(folder: Path, mp_rank: int) -> dict:
     """{"fp32" | "exp_avg" | "exp_avg_sq": {name: full tensor}, "step": Adam's step, "lr": each param
     group's learning rate, "lr_scheduler" / "global_steps": the engine's} of one model-parallel rank,
     merged over its DP shards."""
-    from megahet.checkpoint import load_checkpoint_file, model_states_file
+    from megahet.checkpointing.checkpoint import load_checkpoint_file, model_states_file
 
     model_states = load_checkpoint_file(folder / model_states_file(mp_rank))
     shapes = model_states["param_shapes"]

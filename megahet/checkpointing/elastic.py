@@ -11,7 +11,7 @@ or with another --parallel.tp / --parallel.pp resumes from its last checkpoint w
    the larger TP' on a tie (TP groups sit inside a node, so a lost node costs pipeline stages first).
 2. `reshard_checkpoint` (after the process groups start): rank 0 merges the saved TP x PP x DP shards,
    weights and ZeRO optimizer state (fp32 masters, Adam moments and step, LR schedule) per parameter
-   (megahet/optimizer_state.py), re-splits them for the new TP x PP and publishes the result as a new
+   (megahet/checkpointing/optimizer_state.py), re-splits them for the new TP x PP and publishes the result as a new
    checkpoint beside the old one (train.save, else train.load's folder; `latest` names it), which
    loads at any DP size and ZeRO stage. The saved checkpoint is kept.
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megahet.checkpoint import Resume, find_resume, layout_of, per_parameter
+from megahet.checkpointing.checkpoint import Resume, find_resume, layout_of, per_parameter
 from megahet.config import ConfigError, MegahetConfig
 from megahet.config_checks import validate
 
@@ -103,7 +103,7 @@ def plan_resume(
 def reshard_checkpoint(cfg: MegahetConfig, resume: Resume, rank: int) -> Resume:
     """Rank 0 writes the resharded checkpoint for cfg's TP x PP; every rank returns it (all ranks call
     this after the process groups start)."""
-    from megahet.convert import reshard_into
+    from megahet.checkpointing.convert import reshard_into
 
     p = cfg.parallel
     written = [None]

@@ -1,0 +1,114 @@
+"""Data-parallel shares: replica speeds in, micro-batches of every global batch per replica out. Pure.
+
+Role: policy (issue 16: heterogeneous data parallelism; the runtime that measures replica speeds and
+feeds these shares to the data streams and the loss scale builds on it).
+
+A global batch has M micro-batches. The even split gives each of the D replicas M / D of them, and the
+job runs at its slowest replica's pace. A heterogeneous split gives replica r n_r micro-batches (sum
+n_r = M, every n_r >= 1) so that the slowest time n_r / s_r is as small as it can be in whole
+micro-batches (water-filling, as `resize_planner.balanced_counts` deals work units). Replica r takes the
+contiguous micro-batches [n_0 + ... + n_(r-1), ... + n_r) of each global batch: the global batch and
+the order of its samples stay those of the even run, and every sample is used once.
+
+Exact gradients: megatron-core's schedule divides each micro-batch's loss by the replica's own count
+n_r, and data parallelism averages over D replicas; scaling replica r's loss by D n_r / M
+(`replica_loss_scale`) makes every sample weigh 1 / (M x micro-batch size), as in the even split.
+
+    speeds = replica_speeds({(0, 0, 0): 1.0, (0, 0, 1): 1.0, (1, 0, 0): 0.5, (1, 0, 1): 0.5})  # (dp, pp, tp)
+    shares = dp_shares(speeds, num_microbatches=8)          # (6, 2): replica 1 runs at half speed
+    share_slices(shares)                                    # [range(0, 6), range(6, 8)]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+RankCoords = tuple[int, int, int]  # (dp rank, pp rank, tp rank)
+
+
+def replica_speeds(rank_speeds: Mapping[RankCoords, float], tp_balanced: bool = True) -> list[float]:
+    """Each replica's speed from its ranks' speeds: a pipeline runs at its slowest stage; a stage's TP
+    group at its mean speed when the TP balancer evens it out (`tp_balanced`), else at its slowest rank."""
+    if not rank_speeds:
+        raise ValueError("no rank speeds given")
+    bad = {coords: s for coords, s in rank_speeds.items() if not (s > 0 and math.isfinite(s))}
+    if bad:
+        raise ValueError(f"speeds must be positive and finite, got {bad}")
+    stages: dict[tuple[int, int], list[float]] = {}
+    for (dp, pp, _tp), speed in rank_speeds.items():
+        stages.setdefault((dp, pp), []).append(speed)
+    group = (lambda s: sum(s) / len(s)) if tp_balanced else min
+    replicas: dict[int, float] = {}
+    for (dp, _pp), speeds in stages.items():
+        replicas[dp] = min(replicas.get(dp, math.inf), group(speeds))
+    if sorted(replicas) != list(range(len(replicas))):
+        raise ValueError(f"replicas must be numbered 0..D-1, got {sorted(replicas)}")
+    return [replicas[dp] for dp in range(len(replicas))]
+
+
+def even_shares(num_microbatches: int, dp_size: int) -> tuple[int, ...]:
+    """M / D micro-batches each (M must be a multiple of D, as in an even run)."""
+    if num_microbatches % dp_size:
+        raise ValueError(f"{num_microbatches} micro-batches do not split evenly over {dp_size} replicas")
+    return (num_microbatches // dp_size,) * dp_size
+
+
+def dp_shares(
+    speeds: Sequence[float],
+    num_microbatches: int,
+    current: Sequence[int] | None = None,
+    hysteresis: int = 0,
+    healthy_gap: float = 0.05,
+) -> tuple[int, ...]:
+    """Micro-batches per replica for replicas of these speeds.
+
+    Even when every replica is within `healthy_gap` of the fastest (and M splits evenly). Otherwise the
+    whole-micro-batch split that minimizes the slowest replica's time, ties to the lower replica. The
+    `current` shares are kept unless some replica's count would change by more than `hysteresis`.
+    """
+    d = len(speeds)
+    if d == 0 or num_microbatches < d:
+        raise ValueError(f"{num_microbatches} micro-batches cannot give each of {d} replicas one")
+    if any(not (s > 0 and math.isfinite(s)) for s in speeds):
+        raise ValueError(f"replica speeds must be positive and finite, got {list(speeds)}")
+    if current is not None and (len(current) != d or sum(current) != num_microbatches):
+        raise ValueError(f"current shares {list(current)} are not {d} counts summing to {num_microbatches}")
+    fastest = max(speeds)
+    if all(s >= (1 - healthy_gap) * fastest for s in speeds) and num_microbatches % d == 0:
+        new = even_shares(num_microbatches, d)
+    else:
+        new = _water_fill(speeds, num_microbatches)
+    if current is not None and max(abs(a - b) for a, b in zip(new, current)) <= hysteresis:
+        return tuple(current)
+    return new
+
+
+def _water_fill(speeds: Sequence[float], total: int) -> tuple[int, ...]:
+    counts = [1] * len(speeds)
+    for _ in range(total - len(speeds)):
+        r = min(range(len(speeds)), key=lambda i: ((counts[i] + 1) / speeds[i], i))
+        counts[r] += 1
+    return tuple(counts)
+
+
+def share_slices(shares: Sequence[int]) -> list[range]:
+    """The micro-batch indices of each global batch that each replica computes, contiguous, in order."""
+    out, start = [], 0
+    for n in shares:
+        if n < 1:
+            raise ValueError(f"every replica needs at least one micro-batch, got shares {list(shares)}")
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def replica_loss_scale(share: int, num_microbatches: int, dp_size: int) -> float:
+    """Factor on a replica's micro-batch losses so that every sample weighs as in the even split
+    (1 exactly when the share is M / D)."""
+    return dp_size * share / num_microbatches
+
+
+def step_time(shares: Sequence[int], speeds: Sequence[float]) -> float:
+    """The slowest replica's compute in micro-batches at speed 1 (what the split minimizes)."""
+    return max(n / s for n, s in zip(shares, speeds))

@@ -114,9 +114,6 @@ class BalanceController(StepHook):
         self.step = step
         self._flops0 = self.resize.executor.executed_flops()
 
-    def before_step(self, engine) -> None:
-        pass
-
     def after_step(self, engine) -> None:
         """Measure this step and start gathering it over the stage's TP x DP ranks (asynchronously: the
         few numbers travel while the step finishes; `_collect` waits for them)."""

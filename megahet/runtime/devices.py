@@ -196,12 +196,6 @@ class DeviceStepHook(StepHook):
     def before_forward_backward(self, step: int) -> None:
         self.device.set_step(step)
 
-    def before_step(self, engine) -> None:
-        pass
-
-    def after_step(self, engine) -> None:
-        pass
-
     def metrics(self) -> dict[str, float]:
         d = self.device
         return {"device_speed": d.speed, "device_charge_s": d.charge_s, "device_overrun_s": d.overrun_s}

@@ -49,6 +49,7 @@ class ResizeController(StepHook):
     def __init__(self, cfg: MegahetConfig, model, layout: ParallelLayout, num_microbatches: int):
         r = cfg.resize
         self.cfg, self.layout, self.seed = r, layout, cfg.train.seed
+        self._replan = False  # the balancer asked for a new plan at the next step
         self.gammas = parse_rank_gammas(r.gamma, layout.dp_size, layout.tp_size)
         self.overrides = parse_block_gammas(r.block_gamma)
         self.moves = parse_migrations(r.migrate, layout.dp_size, layout.tp_size)
@@ -141,7 +142,7 @@ class ResizeController(StepHook):
 
     def before_forward_backward(self, step: int) -> None:
         self.step = step
-        if step % self.cfg.reselect_interval == 0 or getattr(self, "_replan", False):
+        if step % self.cfg.reselect_interval == 0 or self._replan:
             self._replan = False
             if self.executor.track_gradients:
                 self._gather_scores()

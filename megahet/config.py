@@ -4,8 +4,9 @@ Role: configuration (the settings, as data).
 
     cfg = load_config(["--config", "examples/cpu/gpt_tp2_pp2.yaml", "--train.lr", "3e-4"])
 
-Sections are `model`, `parallel`, `train`, `data` and `logging`; a key is overridden on the command
-line as `--section.key value` (or `--section.key=value`). DeepSpeed users' habits also work:
+Sections are `model`, `parallel`, `train`, `data`, `logging`, `resize`, `device`, `balance` and
+`hetero`; a key is overridden on the command line as `--section.key value` (or `--section.key=value`).
+DeepSpeed users' habits also work:
 `--deepspeed_config ds.json` (or `--deepspeed ds.json`) merges a ds_config over the one megahet
 builds, and the launchers' `--local_rank` is accepted. Unknown keys, bad types and inconsistent
 values are one-line `ConfigError`s raised before any rank starts work (the whole-config checks are
@@ -182,7 +183,8 @@ class DeviceConfig:
 
     profile: str | None = None
     """Per-TP-rank speeds: static:S0,S1,..., schedule:STEP=S0,...;STEP=..., rotating:SLOWDOWN,PERIOD,
-    contention:SLOWDOWN,PERIOD[,SEED], or a YAML/JSON file. None: the real devices as they are."""
+    contention:SLOWDOWN,PERIOD[,SEED], or a YAML/JSON file; static and schedule may instead list one speed
+    per global rank (a slow replica or node). None: the real devices as they are."""
     rate_gflops: float = 20.0
     """Nominal speed of a virtual device (speed 1) in GFLOP/s; keep it below the real rank's speed."""
 
@@ -216,6 +218,33 @@ class BalanceConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
+class HeteroConfig:
+    """Heterogeneous data parallelism: replicas get shares of every global batch by speed
+    (docs/balancer.md; megahet/runtime/dp_balancer.py and megahet/policy/dp_shares.py)."""
+
+    speeds: str | None = None
+    """Declared relative speeds per global rank, 'S0,S1,...' (one per rank), or a YAML/JSON file with
+    `ranks: [S0, ...]` / `ranks: {RANK: S}` or `nodes: {NODE: S}` (node i = ranks i*L..i*L+L-1, L ranks
+    per node; unnamed ranks and nodes are 1). They set the data-parallel shares and the TP plan from step 0."""
+    dp_shares: Literal["even", "declared", "measured"] = "even"
+    """even: M / DP micro-batches per replica; declared: fixed shares from hetero.speeds; measured: shares
+    re-planned at run time from each replica's measured speed (starting from hetero.speeds if given)."""
+    interval: int = 1
+    """measured: steps between two share decisions."""
+    window: int = 3
+    """measured: speed samples per rank in the median (one outlier cannot move it)."""
+    healthy_gap: float = 0.05
+    """Replicas within this of the fastest split the batch evenly."""
+    hysteresis: float = 0.05
+    """measured: keep the current shares unless the new ones cut the slowest replica's time by more than
+    this fraction (noise and ties do not move samples back and forth)."""
+
+    @property
+    def active(self) -> bool:
+        return self.dp_shares != "even"
+
+
+@dataclasses.dataclass(kw_only=True)
 class MegahetConfig:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
@@ -225,6 +254,7 @@ class MegahetConfig:
     resize: ResizeConfig = dataclasses.field(default_factory=ResizeConfig)
     device: DeviceConfig = dataclasses.field(default_factory=DeviceConfig)
     balance: BalanceConfig = dataclasses.field(default_factory=BalanceConfig)
+    hetero: HeteroConfig = dataclasses.field(default_factory=HeteroConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,12 +1,14 @@
 """Checks of a whole configuration against the world size, before any rank starts work: every bad value
+is a one-line `ConfigError` that names the key and the fix.
 
 Role: configuration (validation, before any rank starts).
-is a one-line `ConfigError` that names the key and the fix.
 
     dp = validate(load_config(argv), world_size=8)   # the data-parallel size
 """
 
 from __future__ import annotations
+
+import os
 
 from megahet.config import ConfigError, MegahetConfig
 from megahet.parallel import check_world_size
@@ -80,24 +82,63 @@ def validate(cfg: MegahetConfig, world_size: int) -> int:
         f"train.save_interval {t.save_interval} needs train.save (the checkpoint directory)",
     )
     _validate_resize(cfg, dp)
-    _validate_device(cfg)
+    _validate_device(cfg, world_size)
     b = cfg.balance
     _require(b.interval > 0 and b.window > 0, "balance.interval and balance.window must be positive")
     _require(
         not (b.mode in ("migrate", "semi") and p.zero_stage == 2),
         f"balance.mode={b.mode} migrates units and needs ZeRO-1: set parallel.zero_stage=1",
     )
+    _validate_hetero(cfg, world_size, dp)
     return dp
 
 
-def _validate_device(cfg: MegahetConfig) -> None:
+def ranks_per_node(world_size: int) -> int:
+    """Ranks per node as the launcher says (torchrun and deepspeed set LOCAL_WORLD_SIZE); one node if unset."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
+def _validate_hetero(cfg: MegahetConfig, world_size: int, dp: int) -> None:
+    from megahet.policy.declared_speeds import parse_declared_speeds
+
+    h = cfg.hetero
+    if h.speeds:
+        try:
+            parse_declared_speeds(h.speeds, world_size, ranks_per_node(world_size))
+        except ValueError as err:
+            raise ConfigError(f"hetero.speeds: {err}") from None
+    _require(
+        not (h.dp_shares == "declared" and not h.speeds),
+        "hetero.dp_shares=declared needs hetero.speeds (one relative speed per rank, or a nodes: file)",
+    )
+    _require(
+        not (h.speeds and not h.active and cfg.balance.mode == "static"),
+        "hetero.speeds is declared but nothing uses it: set hetero.dp_shares=declared or measured (data-parallel "
+        "shares) and/or balance.mode (the TP plan)",
+    )
+    _require(h.interval > 0 and h.window > 0, "hetero.interval and hetero.window must be positive")
+    _require(0 <= h.healthy_gap < 1, f"hetero.healthy_gap must be in [0, 1), got {h.healthy_gap}")
+    _require(0 <= h.hysteresis < 1, f"hetero.hysteresis must be in [0, 1), got {h.hysteresis}")
+    _require(
+        not (h.active and cfg.parallel.zero_stage == 2),
+        f"hetero.dp_shares={h.dp_shares} gives replicas different numbers of micro-batches, but ZeRO-2 "
+        "reduces gradients in every backward pass, so every replica must run as many: set parallel.zero_stage=1",
+    )
+    _require(
+        not (h.active and dp < 2),
+        f"hetero.dp_shares={h.dp_shares} splits the global batch over data-parallel replicas, but DP is {dp}: "
+        "use more ranks (world = TP x PP x DP) or hetero.dp_shares=even",
+    )
+
+
+def _validate_device(cfg: MegahetConfig, world_size: int) -> None:
     from megahet.runtime.devices import parse_profile
 
     d = cfg.device
     _require(d.rate_gflops > 0, f"device.rate_gflops must be positive, got {d.rate_gflops}")
     if d.profile:
         try:
-            parse_profile(d.profile).check(cfg.parallel.tp)
+            parse_profile(d.profile).check(cfg.parallel.tp, world_size)
         except ValueError as err:
             raise ConfigError(f"device.profile: {err}") from None
 

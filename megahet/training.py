@@ -35,6 +35,7 @@ from megahet.failures import first_local_rank, is_peer_loss, lost_peer_message, 
 from megahet.logging import TrainingLogger
 from megahet.parallel import ParallelLayout, destroy_parallel, initialize_parallel
 from megahet.platform import cuda_available
+from megahet.policy.dp_shares import even_shares, replica_loss_scale
 from megahet.runtime.hooks import StepHook
 from megahet.runtime.timing import CommClock, ComputeTimers, StepTimes, time_layers
 
@@ -119,7 +120,12 @@ class Trainer:
         self.step_hooks = step_hooks or []
         """Objects with before_forward_backward(step), before_step(engine), after_step(engine)."""
         t = cfg.train
-        self.num_microbatches = t.global_batch_size // (t.micro_batch_size * layout.dp_size)
+        self.shares = even_shares(t.global_batch_size // t.micro_batch_size, layout.dp_size)
+        """Micro-batches of every global batch per DP replica (megahet/policy/dp_shares.py; even by default)."""
+        self.num_microbatches = self.shares[layout.dp_rank]
+        """This replica's share: the micro-batches the schedule runs per step."""
+        self.loss_scale = 1.0
+        """Factor on this replica's training losses so that every sample weighs the same (1 when even)."""
         self.clock = CommClock.install()
         self.timers = ComputeTimers(self.clock)
         self.times = StepTimes(0.0, 0.0, 0.0)
@@ -138,9 +144,41 @@ class Trainer:
         self.start_iteration, self.start_sample = 0, 0
         """Where this run started (a resumed checkpoint's iteration and consumed samples)."""
 
+    def set_shares(self, shares: tuple[int, ...]) -> None:
+        """Give replica r shares[r] micro-batches of every global batch from the next step on: this
+        replica's data stream, schedule, loss scale and the hooks that count micro-batches follow."""
+        data = self.task.train_data
+        if tuple(shares) != self.shares and not hasattr(data, "set_shares"):
+            raise ConfigError(
+                "uneven data-parallel shares need the task's train_data to be a megahet.data.sampling "
+                "stream (micro_batches(...)): build it with micro_batches or use hetero.dp_shares=even"
+            )
+        if hasattr(data, "set_shares"):
+            data.set_shares(shares)
+        self.shares = tuple(shares)
+        self.num_microbatches = self.shares[self.layout.dp_rank]
+        self.loss_scale = replica_loss_scale(self.num_microbatches, sum(self.shares), self.layout.dp_size)
+        for hook in self.step_hooks:
+            hook.set_shares(self.shares)
+
+    def _scaled_forward_step(self, data: Iterator[dict], model) -> tuple[torch.Tensor, Callable]:
+        """The task's forward step with its loss times `loss_scale` (megatron-core divides it by this
+        replica's micro-batch count, and DeepSpeed averages over replicas; the product is 1 / M per
+        micro-batch whatever the split). The reported loss values are left as they are."""
+        output, loss_func = self.task.forward_step(data, model)
+        scale = self.loss_scale
+        if scale == 1.0:
+            return output, loss_func
+
+        def scaled_loss(*args, **kwargs):
+            loss, *rest = loss_func(*args, **kwargs)
+            return (loss * scale, *rest)
+
+        return output, scaled_loss
+
     def _run_schedule(self, data: Iterator[dict], num_microbatches: int, forward_only: bool) -> list[dict]:
         return self.schedule(
-            forward_step_func=self.task.forward_step,
+            forward_step_func=self.task.forward_step if forward_only else self._scaled_forward_step,
             data_iterator=data,
             model=self.scheduled,
             num_microbatches=num_microbatches,
@@ -177,7 +215,7 @@ class Trainer:
             hook.after_step(self.engine)
         self.hooks_s += t2 - t1 + time.perf_counter() - t3
         self.iteration += 1
-        loss = _mean_over_dp([out["loss"] for out in outputs]) if outputs else float("nan")
+        loss = _mean_over_dp([out["loss"] for out in outputs], sum(self.shares)) if outputs else float("nan")
         grad_norm = self.engine.get_global_grad_norm()
         return {
             "loss": loss,
@@ -263,10 +301,12 @@ def min_max_over_ranks(values: dict[str, float]) -> dict[str, tuple[float, float
     return {key: (-float(both[2 * i]), float(both[2 * i + 1])) for i, key in enumerate(values)}
 
 
-def _mean_over_dp(values: list[torch.Tensor]) -> float:
-    mean = torch.stack([v.detach().float() for v in values]).mean()
-    dist.all_reduce(mean, group=ps.get_data_parallel_group())
-    return float(mean) / ps.get_data_parallel_world_size()
+def _mean_over_dp(values: list[torch.Tensor], num_microbatches: int) -> float:
+    """The mean of every replica's micro-batch values over the global batch's `num_microbatches` (the
+    replicas may hold different numbers of them)."""
+    total = torch.stack([v.detach().float() for v in values]).sum()
+    dist.all_reduce(total, group=ps.get_data_parallel_group())
+    return float(total) / num_microbatches
 
 
 def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
@@ -305,7 +345,7 @@ def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
         f"{sum(p.numel() for p in task.model.parameters())} parameters on this rank"
     )
     hooks: list[StepHook] = []
-    resizer = None
+    resizer = balancer = None
     if cfg.resize.active or cfg.balance.active:
         from megahet.runtime.resizer import ResizeController
 
@@ -321,7 +361,8 @@ def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
         )
 
         profile = parse_profile(cfg.device.profile)
-        device = VirtualDevice(profile, layout.tp_rank, layout.tp_size, cfg.device.rate_gflops)
+        index, width = profile.index(layout.tp_rank, layout.tp_size, layout.rank, layout.world_size)
+        device = VirtualDevice(profile, index, width, cfg.device.rate_gflops)
         attach_virtual_device(task.model, device, CommClock.install())
         hooks.append(DeviceStepHook(device))
     trainer = Trainer(cfg, task, engine, layout, logger, hooks)
@@ -332,10 +373,50 @@ def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
         time_layers(task.model, trainer.clock)
         balancer = BalanceController(cfg, layout, resizer, lambda: trainer.times, lambda: trainer.step_t0)
         trainer.step_hooks.insert(0, balancer)
+    _start_heterogeneous(cfg, trainer, balancer if cfg.balance.active else None)
     if resume is not None:
         seconds = checkpoint.load(trainer, resume)
         logger.print(f"megahet: resumed from {resume.path} (step {trainer.iteration}) in {seconds:.2f} s")
     return trainer
+
+
+def _start_heterogeneous(cfg: MegahetConfig, trainer: Trainer, balancer) -> None:
+    """Declared speeds (hetero.speeds) set the data-parallel shares and the TP plan from step 0; uneven
+    shares add the data-parallel balancer (first: it re-plans before a step's data is read)."""
+    h, layout = cfg.hetero, trainer.layout
+    if not (h.speeds or h.active):
+        return
+    from megahet.config_checks import ranks_per_node
+    from megahet.policy.declared_speeds import parse_declared_speeds
+    from megahet.policy.dp_shares import dp_shares, replica_speeds
+    from megahet.runtime.dp_balancer import DataParallelBalancer, rank_coords
+
+    coords = rank_coords(layout)
+    if h.speeds:
+        declared = parse_declared_speeds(h.speeds, layout.world_size, ranks_per_node(layout.world_size))
+        by_coords = dict(zip(coords, declared))
+        if h.active:  # a TP balancer evens each TP group out, else it runs at its slowest rank
+            speeds = replica_speeds(
+                by_coords, tp_balanced=balancer is not None and cfg.balance.mode != "static"
+            )
+            trainer.set_shares(dp_shares(speeds, sum(trainer.shares), healthy_gap=h.healthy_gap))
+        if balancer is not None:
+            stage = [
+                [by_coords[(dp, layout.pp_rank, tp)] for tp in range(layout.tp_size)]
+                for dp in range(layout.dp_size)
+            ]
+            balancer.start_from(stage)
+    if h.active:  # declared shares are measured and reported too, but never re-planned
+        dp_balancer = DataParallelBalancer(
+            cfg,
+            layout,
+            trainer.set_shares,
+            lambda: trainer.times,
+            coords,
+            trainer.shares,
+            lambda: trainer.step_t0,
+        )
+        trainer.step_hooks.insert(0, dp_balancer)
 
 
 def pretrain(cfg: MegahetConfig, spec: TaskSpec) -> list[dict[str, Any]]:

@@ -3,11 +3,15 @@
 Role: data.
 
 Global batch g covers samples [start + g*G, start + (g+1)*G) of the (optionally per-epoch shuffled)
-dataset order; DP rank r takes the r-th contiguous G/DP slice of it, in micro-batches of M. So any
-DP size sees the same samples per step, and DP=2 trains on exactly what DP=1 does.
+dataset order, G / m micro-batches of m samples. By default DP rank r takes the r-th contiguous G/DP
+slice of it. With data-parallel shares (heterogeneous replicas, megahet/policy/dp_shares.py) replica r
+takes the contiguous micro-batches [n_0 + ... + n_(r-1), ... + n_r) instead: the global batch and the
+order of its samples are the same, every sample is used once. So any DP size and any split sees the
+same samples per step, and DP=2 trains on exactly what DP=1 does.
 
     it = micro_batches(dataset, global_batch_size=16, micro_batch_size=4, dp_rank=0, dp_size=2)
     batch = to_device(next(it))      # in a forward_step: onto this process's GPU (or the CPU)
+    it.set_shares((3, 1))            # from the next global batch on: 3 micro-batches here, 1 on replica 1
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 
 from megahet.config import ConfigError
 from megahet.platform import device as process_device
+from megahet.policy.dp_shares import even_shares, share_slices
 
 
 def _collate(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -48,7 +53,7 @@ def micro_batches(
     dp_size: int,
     start_sample: int = 0,
     shuffle_seed: int | None = None,
-) -> Iterator[dict[str, torch.Tensor]]:
+) -> MicroBatchStream:
     """This DP rank's micro-batches, forever, cycling epochs (reshuffled when a seed is given).
 
     A dataset smaller than one global batch is a ConfigError here, when the stream is created.
@@ -59,20 +64,52 @@ def micro_batches(
             f"the dataset has {n} samples, fewer than one global batch ({global_batch_size}): "
             f"lower train.global_batch_size or use more data"
         )
-    return _stream(dataset, global_batch_size, micro_batch_size, dp_rank, dp_size, start_sample, shuffle_seed)
+    return MicroBatchStream(
+        dataset, global_batch_size, micro_batch_size, dp_rank, dp_size, start_sample, shuffle_seed
+    )
 
 
-def _stream(dataset, global_batch_size, micro_batch_size, dp_rank, dp_size, start_sample, shuffle_seed):
-    n, per_rank = len(dataset), global_batch_size // dp_size
-    sample, epoch, order = start_sample, None, None
-    while True:
-        base = sample + dp_rank * per_rank
-        for m in range(0, per_rank, micro_batch_size):
-            items = []
-            for i in range(base + m, base + m + micro_batch_size):
-                if epoch != i // n:
-                    epoch = i // n
-                    order = sample_order(n, epoch, shuffle_seed)
-                items.append(dataset[int(order[i % n])])
-            yield _collate(items)
-        sample += global_batch_size
+class MicroBatchStream:
+    """An iterator over one DP rank's micro-batches whose share of each global batch can change between
+    global batches (`set_shares`). It reads the shares when it starts a global batch: a change made
+    between two optimizer steps applies from the next step's first micro-batch."""
+
+    def __init__(
+        self, dataset, global_batch_size, micro_batch_size, dp_rank, dp_size, start_sample, shuffle_seed
+    ):
+        self.dataset, self.micro_batch_size, self.dp_rank = dataset, micro_batch_size, dp_rank
+        self.global_batch_size, self.shuffle_seed = global_batch_size, shuffle_seed
+        self.num_microbatches = global_batch_size // micro_batch_size
+        """Micro-batches in one global batch (M), over all replicas."""
+        self.shares = even_shares(self.num_microbatches, dp_size)
+        self._stream = self._generate(start_sample)
+
+    def set_shares(self, shares: Sequence[int]) -> None:
+        """Micro-batches per replica of every global batch from the next one on (they sum to M)."""
+        if sum(shares) != self.num_microbatches or len(shares) != len(self.shares) or min(shares) < 1:
+            raise ValueError(
+                f"shares {list(shares)} must give each of {len(self.shares)} replicas at least one of "
+                f"the {self.num_microbatches} micro-batches of a global batch"
+            )
+        self.shares = tuple(shares)
+
+    def __iter__(self) -> MicroBatchStream:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        return next(self._stream)
+
+    def _generate(self, sample: int) -> Iterator[dict[str, torch.Tensor]]:
+        n, m = len(self.dataset), self.micro_batch_size
+        epoch, order = None, None
+        while True:
+            mine = share_slices(self.shares)[self.dp_rank]  # read per global batch
+            for micro in mine:
+                items = []
+                for i in range(sample + micro * m, sample + (micro + 1) * m):
+                    if epoch != i // n:
+                        epoch = i // n
+                        order = sample_order(n, epoch, self.shuffle_seed)
+                    items.append(self.dataset[int(order[i % n])])
+                yield _collate(items)
+            sample += self.global_batch_size

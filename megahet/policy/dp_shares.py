@@ -58,14 +58,15 @@ def dp_shares(
     speeds: Sequence[float],
     num_microbatches: int,
     current: Sequence[int] | None = None,
-    hysteresis: int = 0,
+    hysteresis: float = 0.0,
     healthy_gap: float = 0.05,
 ) -> tuple[int, ...]:
     """Micro-batches per replica for replicas of these speeds.
 
-    Even when every replica is within `healthy_gap` of the fastest (and M splits evenly). Otherwise the
-    whole-micro-batch split that minimizes the slowest replica's time, ties to the lower replica. The
-    `current` shares are kept unless some replica's count would change by more than `hysteresis`.
+    Even when every replica is within `healthy_gap` of the fastest (and M splits evenly), whatever the
+    current shares. Otherwise the whole-micro-batch split that minimizes the slowest replica's time, ties
+    to the lower replica; the `current` shares are kept unless the new split cuts the slowest replica's
+    time by more than the fraction `hysteresis` (noise and ties move no samples).
     """
     d = len(speeds)
     if d == 0 or num_microbatches < d:
@@ -76,10 +77,9 @@ def dp_shares(
         raise ValueError(f"current shares {list(current)} are not {d} counts summing to {num_microbatches}")
     fastest = max(speeds)
     if all(s >= (1 - healthy_gap) * fastest for s in speeds) and num_microbatches % d == 0:
-        new = even_shares(num_microbatches, d)
-    else:
-        new = _water_fill(speeds, num_microbatches)
-    if current is not None and max(abs(a - b) for a, b in zip(new, current)) <= hysteresis:
+        return even_shares(num_microbatches, d)
+    new = _water_fill(speeds, num_microbatches)
+    if current is not None and step_time(new, speeds) >= (1 - hysteresis) * step_time(current, speeds):
         return tuple(current)
     return new
 

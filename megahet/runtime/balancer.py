@@ -33,9 +33,7 @@ run's (rows after the checkpoint's step, from a run that was killed later, are d
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -50,6 +48,7 @@ from megahet.policy.detector import SpeedEstimator
 from megahet.policy.planner import WorkTarget, balance
 from megahet.runtime.hooks import StepHook
 from megahet.runtime.timing import StepTimes
+from megahet.runtime.trace_writer import TraceWriter
 
 
 def compute_efficiency(work: list[float], busy: list[float]) -> float:
@@ -91,16 +90,14 @@ class BalanceController(StepHook):
         self.changes = 0
         self._flops0 = 0.0
         self._efficiency: list[float] = []
-        self._trace = None
         self._pending = None
         """(all_gather handle, rows, step, step seconds) of the last step, until `_collect`."""
         self._due = False
         self.step = -1
-        self.trace_file = None
-        self._trace_from = 0
-        """The first step the trace writes; earlier rows are kept (a resumed run continues the file)."""
+        self.trace = None
+        """This stage's trace (its first TP rank of DP replica 0 writes it), if one is asked for."""
         if cfg.balance.trace and layout.tp_rank == 0 and layout.dp_rank == 0:
-            self.trace_file = trace_path(cfg.balance.trace, layout.pp_rank, layout.pp_size)
+            self.trace = TraceWriter(trace_path(cfg.balance.trace, layout.pp_rank, layout.pp_size))
 
     def before_forward_backward(self, step: int) -> None:
         """Fold the last step's gathered measurements in, plan if due, then start measuring this step.
@@ -143,21 +140,29 @@ class BalanceController(StepHook):
             estimator.update(work, busy)
         efficiency = [compute_efficiency(w, b) for w, b in zip(works, busys)]
         self._efficiency.append(efficiency[self.layout.dp_rank])
-        if self.trace_file is not None:
+        if self.trace is not None:
             self._write_trace(step, step_s, works, busys, efficiency, computes, waits)
         self._due = (step + 1) % self.cfg.interval == 0 and all(e.ready for e in self.estimators)
 
-    def _plan(self) -> None:
-        """Run the same pure planner on every rank; hand changed targets to the ResizeController."""
+    def _targets(self, speeds: list[list[float]]) -> list[WorkTarget]:
+        """The pure planner on [dp][tp] relative speeds, from the current targets (the same on every rank)."""
         b = self.cfg
         knobs = {"tolerance": b.tolerance, "healthy_gap": b.healthy_gap, "hysteresis_threshold": b.hysteresis}
-        new = [
-            balance(e.speeds(), b.mode, current, **knobs) for e, current in zip(self.estimators, self.targets)
-        ]
+        return [balance(group, b.mode, current, **knobs) for group, current in zip(speeds, self.targets)]
+
+    def _plan(self) -> None:
+        """Plan on the estimated speeds; hand changed targets to the ResizeController."""
+        new = self._targets([e.speeds() for e in self.estimators])
         if new != self.targets:
             self.targets = new
             self.changes += 1
             self.resize.set_targets(new)
+
+    def start_from(self, speeds: list[list[float]]) -> None:
+        """Plan from declared speeds (hetero.speeds), [dp][tp] of this stage, before any measurement: a
+        mixed cluster is balanced from the first step; the measured speeds take over when they are ready."""
+        self.targets = self._targets([[s / max(group) for s in group] for group in speeds])
+        self.resize.set_targets(self.targets)
 
     def state_dict(self) -> dict:
         """What the next decisions depend on (the last step's gather folded in first)."""
@@ -181,7 +186,8 @@ class BalanceController(StepHook):
         self.resize.set_targets(self.targets, replan=False)  # it restores the executed plan itself
         self.changes, self._efficiency, self._due = state["changes"], list(state["efficiency"]), state["due"]
         self.step = state["step"]
-        self._trace_from = self.step + 1
+        if self.trace is not None:
+            self.trace.resume_from = self.step + 1
 
     def _speeds(self, dp: int) -> list[float] | None:
         estimator = self.estimators[dp]
@@ -189,19 +195,6 @@ class BalanceController(StepHook):
 
     def _fractions(self, dp: int) -> dict[str, list[float]]:
         return self.resize.executor.plan.unit_fractions(self.resize.units, dp, self.layout.tp_size)
-
-    def _open_trace(self):
-        """The trace file, opened at its first row: new, or on resume the saved run's rows continued."""
-        self.trace_file.parent.mkdir(parents=True, exist_ok=True)
-        kept = []
-        if self._trace_from > 0 and self.trace_file.is_file():
-            lines = self.trace_file.read_text().splitlines()
-            kept = [line for line in lines if line.strip() and json.loads(line)["step"] < self._trace_from]
-        tmp = self.trace_file.with_name(self.trace_file.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, self.trace_file)  # the saved rows survive a crash at any moment
-        self._trace = self.trace_file.open("a")
-        return self._trace
 
     def _write_trace(self, step, step_s, works, busys, efficiency, computes, waits) -> None:
         """One JSON line per step: the executed plan and the measurements, indexed [dp][tp]."""
@@ -218,9 +211,7 @@ class BalanceController(StepHook):
             "speed": [self._speeds(dp) for dp in dps],
             **{k: [f[k] for f in fractions] for k in ("dropped", "sent", "hosted")},
         }
-        trace = self._trace or self._open_trace()
-        trace.write(json.dumps(row) + "\n")
-        trace.flush()
+        self.trace.write(row)
 
     def metrics(self) -> dict[str, float]:
         self._collect()
@@ -250,10 +241,9 @@ class BalanceController(StepHook):
     def close(self) -> None:
         """Close the trace and draw it (tools/plot_balance.py draws it again)."""
         self._collect()
-        if self._trace is None:
-            return
-        self._trace.close()
-        self._trace, trace_file, self.trace_file = None, self.trace_file, None  # closed: no more rows
-        from megahet.runtime.trace_plot import plot_trace
+        written = self.trace.close() if self.trace is not None else None
+        self.trace = None  # closed: no more rows
+        if written is not None:
+            from megahet.runtime.trace_plot import plot_trace
 
-        plot_trace(trace_file, trace_file.with_suffix(".png"))
+            plot_trace(written, written.with_suffix(".png"))

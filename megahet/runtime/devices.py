@@ -13,9 +13,12 @@ change the delay because they change the work. Nothing reads the profile or the 
 the balancer measures every rank's own compute (megahet/runtime/timing.py), so emulated and real slowness go
 through one measurement path.
 
-Profiles (`--device.profile`, inline or a YAML/JSON file with the same fields), per TP rank:
+Profiles (`--device.profile`, inline or a YAML/JSON file with the same fields), per TP rank (the same
+in every DP replica and pipeline stage), or, for static and schedule profiles listing one speed per
+global rank, over the whole mesh (a slow replica, a slow node):
 
     static:1,1,1,0.25               TP rank 3 runs at a quarter speed
+    static:1,1,0.5,0.5              at TP 2 x DP 2: DP replica 1 (global ranks 2, 3) runs at half speed
     schedule:0=1,1,1,1;50=1,0.25,1,1  speeds from step 0, then from step 50
     rotating:4,20                   a 4x straggler that moves to the next TP rank every 20 steps
     contention:4,20,7               every 20 steps each rank is 4x slow with probability 1/2 (seed 7)
@@ -68,10 +71,32 @@ class SpeedProfile:
         rng = np.random.default_rng((self.seed, episode, tp_rank))  # contention
         return 1.0 / self.slowdown if rng.random() < 0.5 else 1.0
 
-    def check(self, tp_size: int) -> None:
-        widths = [len(self.speeds)] if self.kind == "static" else [len(s) for _, s in self.schedule]
-        if self.kind in ("static", "schedule") and any(w != tp_size for w in widths):
-            raise ValueError(f"device profile lists {widths} speeds, but the TP group has {tp_size} ranks")
+    @property
+    def width(self) -> int | None:
+        """How many ranks a static or schedule profile lists (None: rotating and contention, per TP rank)."""
+        if self.kind == "static":
+            return len(self.speeds)
+        return len(self.schedule[0][1]) if self.kind == "schedule" else None
+
+    def check(self, tp_size: int, world_size: int | None = None) -> None:
+        """A static or schedule profile lists one speed per TP rank or one per global rank, at every step."""
+        if self.kind not in ("static", "schedule"):
+            return
+        widths = {len(self.speeds)} if self.kind == "static" else {len(s) for _, s in self.schedule}
+        allowed = {tp_size, world_size or tp_size}
+        if len(widths) > 1 or not widths <= allowed:
+            raise ValueError(
+                f"device profile lists {sorted(widths)} speeds, but the TP group has {tp_size} ranks"
+                + (f" and the world {world_size}" if world_size else "")
+                + ": list one speed per TP rank (every replica and stage alike) or one per global rank"
+            )
+
+    def index(self, tp_rank: int, tp_size: int, rank: int, world_size: int) -> tuple[int, int]:
+        """(which entry, of how many) this rank runs at: its global rank when the profile lists the whole
+        world (a slow replica, a slow node), else its TP rank."""
+        if self.width == world_size != tp_size:
+            return rank, world_size
+        return tp_rank, tp_size
 
 
 def _floats(text: str) -> tuple[float, ...]:

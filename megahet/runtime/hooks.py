@@ -36,6 +36,9 @@ class StepHook:
     def after_step(self, engine) -> None:
         """After the optimizer step and the step's time measurement."""
 
+    def set_shares(self, shares: tuple[int, ...]) -> None:
+        """Micro-batches per DP replica of every global batch (data-parallel shares), from the next step on."""
+
     def metrics(self) -> dict[str, float]:
         """Numbers to log as min / max over all ranks."""
         return {}

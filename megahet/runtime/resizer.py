@@ -140,6 +140,10 @@ class ResizeController(StepHook):
         if replan:
             self.request_replan()
 
+    def set_shares(self, shares: tuple[int, ...]) -> None:
+        """Micro-batches per replica (data-parallel shares): gradient averaging and imputation follow."""
+        self.executor.set_shares(shares)
+
     def before_forward_backward(self, step: int) -> None:
         self.step = step
         if step % self.cfg.reselect_interval == 0 or self._replan:

@@ -7,6 +7,9 @@ Role: reporting (draws a balancer trace; no training state).
 Three panels, one line per TP rank of one DP replica: compute (busy) time per step with the step
 time in black; the plan as each rank's work in units of its own shard (1 - dropped - sent + hosted;
 dropped units dashed); the estimated speed, with the step's compute efficiency in black.
+
+A data-parallel trace (run_dp.jsonl, written with hetero.dp_shares) draws as three panels too
+(`plot_dp_trace`): the step time, each replica's estimated speed, and its share of the global batch.
 """
 
 from __future__ import annotations
@@ -32,12 +35,26 @@ def read_trace(path: str | Path) -> list[dict]:
     return rows
 
 
-def plot_trace(trace: str | Path, png: str | Path, dp: int = 0, title: str | None = None) -> Path:
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(fig, png: str | Path) -> Path:
+    png = Path(png)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    fig.clf()
+    return png
+
+
+def plot_trace(trace: str | Path, png: str | Path, dp: int = 0, title: str | None = None) -> Path:
+    plt = _pyplot()
     rows = read_trace(trace)
     tp_size = len(rows[0]["busy_s"][dp])
     steps = [r["step"] for r in rows]
@@ -62,9 +79,34 @@ def plot_trace(trace: str | Path, png: str | Path, dp: int = 0, title: str | Non
     ax_speed.legend(fontsize=7)
     ax_speed.set_xlabel("step")
     ax_time.set_title(title or f"{Path(trace).name}: DP replica {dp}")
-    fig.tight_layout()
-    png = Path(png)
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110)
+    png = _save(fig, png)
+    plt.close(fig)
+    return png
+
+
+def plot_dp_trace(trace: str | Path, png: str | Path, title: str | None = None) -> Path:
+    """Step time, each replica's estimated speed and its share (micro-batches of the global batch)."""
+    plt = _pyplot()
+    rows = read_trace(trace)
+    steps = [r["step"] for r in rows]
+    fig, (ax_time, ax_speed, ax_share) = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+    colors = plt.get_cmap("tab10")
+    ax_time.plot(steps, [r["step_s"] for r in rows], color="black", label="step")
+    for dp in range(len(rows[0]["shares"])):
+        color = colors(dp % 10)
+        speeds = [r["replica_speed"][dp] if r["replica_speed"] else float("nan") for r in rows]
+        ax_speed.plot(steps, speeds, color=color, label=f"DP {dp}")
+        ax_share.step(steps, [r["shares"][dp] for r in rows], where="post", color=color, label=f"DP {dp}")
+    ax_time.set_ylabel("seconds")
+    ax_time.legend(fontsize=7)
+    ax_speed.set_ylabel("estimated replica speed")
+    ax_speed.set_ylim(0, 1.1)
+    ax_speed.legend(fontsize=7, ncol=4)
+    ax_share.set_ylabel("micro-batches per step")
+    ax_share.set_ylim(bottom=0)
+    ax_share.legend(fontsize=7, ncol=4)
+    ax_share.set_xlabel("step")
+    ax_time.set_title(title or f"{Path(trace).name}: data-parallel shares")
+    png = _save(fig, png)
     plt.close(fig)
     return png

@@ -12,7 +12,9 @@ Role: mechanism (executes the plan it is given; no policy).
 Gradient policy, per unit u of this TP rank's shard, with k_u = DP replicas that compute u:
 - 0 < k_u: replicas that dropped u contribute zero and the others scale u's gradient by D / k_u
   before the data-parallel mean, so u's gradient is averaged over the replicas that computed it
-  (count-aware averaging; with one plan on every replica, k_u = D and nothing changes).
+  (count-aware averaging; with one plan on every replica, k_u = D and nothing changes). With uneven
+  data-parallel shares (`set_shares`: replica r runs n_r of the M micro-batches) the average is over
+  their samples: the scale is M / (sum of n_r over the replicas that compute u).
 - k_u = 0 (no replica computed u) — imputation:
   - "zero": no gradient, and the unit is frozen: its weights, fp32 master copy and AdamW moments
     are restored after the optimizer step, so neither momentum nor weight decay moves it.
@@ -51,11 +53,12 @@ class _BlockState:
     imputed_units: np.ndarray  # (units no replica computes,) int64: `imputed` on the host
     kept: torch.Tensor  # (computed units,) int64 on the device: the units this rank computes
     imputed: torch.Tensor  # (units no replica computes,) int64 on the device
-    scale: torch.Tensor  # (units,) float32 on the device: D / k_u where 0 < k_u, else 1
+    scale: torch.Tensor  # (units,) float32 on the device: D / k_u (M / N_u) where 0 < k_u, else 1
 
     @classmethod
-    def of(cls, computed: np.ndarray, counts: np.ndarray, dp_size: int, device: torch.device) -> _BlockState:
-        scale = np.where(counts > 0, dp_size / np.maximum(counts, 1), 1.0)
+    def of(cls, computed: np.ndarray, counts: np.ndarray, total: int, device: torch.device) -> _BlockState:
+        """`counts`: replicas (or their micro-batches) computing each unit, of `total`."""
+        scale = np.where(counts > 0, total / np.maximum(counts, 1), 1.0)
         imputed = np.flatnonzero(counts == 0)
         return cls(
             computed,
@@ -87,6 +90,8 @@ class ResizeExecutor:
         self.dp_rank, self.tp_rank, self.dp_size = dp_rank, tp_rank, dp_size
         self.exchange = MigrationExchange(self.blocks, dp_rank=dp_rank, tp_rank=tp_rank, tp_group=tp_group)
         self.imputation, self.num_microbatches = imputation, num_microbatches
+        self.shares = (1,) * dp_size
+        """Each replica's weight in the data-parallel mean: micro-batches per step (even: all alike)."""
         self.plan = ResizePlan()
         self._state: dict[BlockKey, _BlockState | None] = dict.fromkeys(self.blocks)
         self._last_grad: dict[UnitParam, torch.Tensor] = {}
@@ -130,13 +135,24 @@ class ResizeExecutor:
         state = self._state[key]
         return np.ones(self.blocks[key].num_units, bool) if state is None else state.computed
 
+    def set_shares(self, shares: tuple[int, ...]) -> None:
+        """Replica r runs shares[r] micro-batches per step from the next step on (heterogeneous data
+        parallelism): gradient averaging over the replicas computing a unit weighs them by it."""
+        if len(shares) != self.dp_size:
+            raise ValueError(f"{len(shares)} shares for {self.dp_size} DP replicas")
+        self.num_microbatches = shares[self.dp_rank]
+        even = len(set(shares)) == 1
+        self.shares = (1,) * self.dp_size if even else tuple(shares)
+        self.apply(self.plan)
+
     def apply(self, plan: ResizePlan) -> None:
         """Make the layers execute `plan` from the next forward pass on."""
         self.plan = plan
         self._frozen_index = {}
+        total = sum(self.shares)
         for key, block in self.blocks.items():
             n = block.num_units
-            counts = np.asarray(plan.compute_counts(key, self.tp_rank, self.dp_size, n))
+            counts = np.asarray(plan.compute_counts(key, self.tp_rank, self.dp_size, n, self.shares))
             dropped = list(plan.dropped(key, self.dp_rank, self.tp_rank))
             if dropped and (max(dropped) >= n or len(dropped) >= n):
                 raise ValueError(
@@ -149,11 +165,11 @@ class ResizeExecutor:
                 raise ValueError(
                     f"plan leaves rank (dp {self.dp_rank}, tp {self.tp_rank}) no unit of block {key}"
                 )
-            if computed.all() and (counts == self.dp_size).all():
+            if computed.all() and (counts == total).all():
                 self._state[key] = None
             else:
                 device = block.column.weight.device
-                self._state[key] = _BlockState.of(computed, counts, self.dp_size, device)
+                self._state[key] = _BlockState.of(computed, counts, total, device)
         self._install(True)
         self.exchange.apply(plan)
 

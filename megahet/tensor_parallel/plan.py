@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 UnitKind = Literal["mlp", "attn"]
@@ -64,12 +64,21 @@ class ResizePlan:
         helpers = self.migrated.get(block, {}).get((dp_rank, tp_rank), {})
         return tuple(sorted(u for units in helpers.values() for u in units))
 
-    def compute_counts(self, block: BlockKey, tp_rank: int, dp_size: int, num_units: int) -> list[int]:
-        """For each unit of this TP rank's shard: how many DP replicas compute it (0 .. dp_size)."""
-        counts = [dp_size] * num_units
+    def compute_counts(
+        self,
+        block: BlockKey,
+        tp_rank: int,
+        dp_size: int,
+        num_units: int,
+        weights: Sequence[int] | None = None,
+    ) -> list[int]:
+        """For each unit of this TP rank's shard: how many DP replicas compute it (0 .. dp_size); with
+        `weights` (each replica's micro-batches, heterogeneous data parallelism), their summed weight."""
+        weights = weights or [1] * dp_size
+        counts = [sum(weights)] * num_units
         for dp_rank in range(dp_size):
             for unit in self.dropped(block, dp_rank, tp_rank):
-                counts[unit] -= 1
+                counts[unit] -= weights[dp_rank]
         return counts
 
     def unit_fractions(

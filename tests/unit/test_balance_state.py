@@ -133,7 +133,7 @@ def test_the_trace_continues_the_saved_runs(tmp_path) -> None:
         if step == 10:
             state = _checkpoint(killed)
     killed._collect()
-    killed._trace.close()
+    killed.trace.close()
     resumed = _controller("semi", str(trace))
     resumed.load_state_dict(state)
     assert len(trace.read_text().splitlines()) == 15  # nothing is touched before the first new row

@@ -67,9 +67,14 @@ def test_uneven_shares_minimize_the_slowest_replica(speeds, total: int) -> None:
 def test_hysteresis_keeps_the_current_shares_and_alike_speeds_return_to_even() -> None:
     shares = dp_shares([1.0, 0.5], 12)  # (8, 4)
     assert shares == (8, 4)
-    assert dp_shares([1.0, 0.7], 12, current=shares, hysteresis=1) == shares  # (8, 4) -> (7, 5): kept
-    assert dp_shares([1.0, 0.7], 12, current=shares, hysteresis=0) == (7, 5)
-    assert dp_shares([1.0, 0.98], 12, current=shares, hysteresis=1) == (6, 6)  # recovered: even again
+    # (8, 4) -> (7, 5) cuts the slowest replica's time from 8 to 7.14, by 10.7 %
+    assert dp_shares([1.0, 0.7], 12, current=shares, hysteresis=0.15) == shares
+    assert dp_shares([1.0, 0.7], 12, current=shares, hysteresis=0.05) == (7, 5)
+    assert dp_shares([1.0, 0.5], 12, current=(7, 5), hysteresis=0.05) == (8, 4)
+    # a tie (same slowest time) is no reason to move samples
+    tie = ({dp_shares([1.0, 0.5], 8)} ^ {(5, 3), (6, 2)}).pop()  # both take 6
+    assert dp_shares([1.0, 0.5], 8, current=tie, hysteresis=0.0) == tie
+    assert dp_shares([1.0, 0.98], 12, current=shares, hysteresis=0.5) == (6, 6)  # recovered: even again
 
 
 @pytest.mark.parametrize(

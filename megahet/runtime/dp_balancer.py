@@ -1,0 +1,184 @@
+"""The data-parallel balancer in the training loop: measure every replica's speed, re-plan the shares.
+
+Role: runtime (the step hook of heterogeneous data parallelism: measure, estimate, plan with the pure
+`megahet.policy.dp_shares`, hand the shares to the Trainer, which executes them).
+
+After every step each rank contributes two numbers — the micro-batches it ran and its own compute time
+(megatron-core's forward/backward compute regions minus the time blocked in collectives, measured as
+the TP balancer measures: megahet/runtime/timing.py) — gathered over the whole world by an
+asynchronous all-gather that completes while the step finishes. A rank's speed sample is micro-batches
+per second of its own compute (the embedding, output layer and loss move with the samples, so they
+count); the estimate is the median of the last `hetero.window` samples. A replica runs at its slowest
+pipeline stage, a stage at its slowest TP rank (a TP balancer inside the replica raises that measured
+rate; the shares follow). At the start of a step every rank runs the same `dp_shares` on the same
+numbers, so every rank's shares are the same, with hysteresis, and back to even when the replicas are
+alike. Virtual devices (`--device.profile` over the whole mesh) are measured through the same path:
+the balancer never reads their profile.
+
+    dp = DataParallelBalancer(cfg, layout, trainer.set_shares, lambda: trainer.times, coords, shares)
+
+Telemetry (`report()`): per replica its estimated speed (`speed_dpR`, the fastest = 1) and its share of
+the global batch in micro-batches (`share_dpR`). With `--balance.trace run.jsonl` global rank 0 writes
+one row per step to run_dp.jsonl and draws run_dp.png at the end. Checkpoints carry the shares and the
+speed samples, so a resumed run goes on with the same split.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megahet.config import MegahetConfig
+from megahet.parallel import ParallelLayout
+from megahet.policy.detector import SpeedEstimator
+from megahet.policy.dp_shares import RankCoords, dp_shares, replica_speeds
+from megahet.runtime.hooks import StepHook
+from megahet.runtime.timing import StepTimes
+from megahet.runtime.trace_writer import TraceWriter
+
+
+def rank_coords(layout: ParallelLayout) -> list[RankCoords]:
+    """(dp, pp, tp) of every global rank, in rank order (one all-gather at start-up)."""
+    mine = torch.tensor([layout.dp_rank, layout.pp_rank, layout.tp_rank], dtype=torch.int64)
+    rows = [torch.empty_like(mine) for _ in range(layout.world_size)]
+    dist.all_gather(rows, mine)
+    return [tuple(int(x) for x in row) for row in rows]
+
+
+def dp_trace_path(path: str) -> Path:
+    path = Path(path).expanduser()
+    return path.with_name(f"{path.stem}_dp{path.suffix}")
+
+
+class DataParallelBalancer(StepHook):
+    checkpointed = True
+
+    def __init__(
+        self,
+        cfg: MegahetConfig,
+        layout: ParallelLayout,
+        apply: Callable[[tuple[int, ...]], None],
+        times: Callable[[], StepTimes],
+        coords: Sequence[RankCoords],
+        shares: tuple[int, ...],
+        step_start: Callable[[], float] = time.perf_counter,
+    ):
+        self.cfg, self.layout, self.apply, self.times = cfg.hetero, layout, apply, times
+        self.coords = list(coords)
+        self.shares = tuple(shares)
+        """The shares the Trainer executes (`apply` hands it new ones)."""
+        self.num_microbatches = sum(self.shares)
+        self.measured = cfg.hetero.dp_shares == "measured"
+        self.estimator = SpeedEstimator(layout.world_size, cfg.hetero.window)
+        self.step_start = step_start
+        self.changes = 0
+        self.step = -1
+        self._pending = None
+        self._due = False
+        self.trace = (
+            TraceWriter(dp_trace_path(cfg.balance.trace)) if cfg.balance.trace and layout.rank == 0 else None
+        )
+
+    def before_forward_backward(self, step: int) -> None:
+        """Fold the last step's measurements in and re-plan the shares if due (before the step's data is
+        read, so new shares apply from this step's first micro-batch)."""
+        self._collect()
+        if self._due:
+            self._due = False
+            self._plan()
+        self.step = step
+
+    def after_step(self, engine) -> None:
+        mine = torch.tensor([self.shares[self.layout.dp_rank], self.times().compute_s], dtype=torch.float64)
+        rows = [torch.empty_like(mine) for _ in range(self.layout.world_size)]
+        handle = dist.all_gather(rows, mine, async_op=True)
+        self._pending = (handle, rows, self.step, time.perf_counter() - self.step_start())
+
+    def _collect(self) -> None:
+        if self._pending is None:
+            return
+        handle, rows, step, step_s = self._pending
+        self._pending = None
+        handle.wait()
+        micro, compute = ([float(r[i]) for r in rows] for i in range(2))
+        self.estimator.update(micro, compute)
+        if self.trace is not None:
+            self.trace.write(
+                {
+                    "step": step,
+                    "step_s": step_s,
+                    "shares": list(self.shares),
+                    "replica_speed": self.replica_speeds(),
+                    "compute_s": compute,
+                }
+            )
+        self._due = self.measured and (step + 1) % self.cfg.interval == 0 and self.estimator.ready
+
+    def replica_speeds(self) -> list[float] | None:
+        """Each replica's estimated speed in micro-batches per second, the fastest = 1 (None before the
+        first samples)."""
+        if not self.estimator.ready:
+            return None
+        speeds = replica_speeds(dict(zip(self.coords, self.estimator.speeds())), tp_balanced=False)
+        fastest = max(speeds)
+        return [s / fastest for s in speeds]
+
+    def _plan(self) -> None:
+        new = dp_shares(
+            self.replica_speeds(),
+            self.num_microbatches,
+            current=self.shares,
+            hysteresis=self.cfg.hysteresis,
+            healthy_gap=self.cfg.healthy_gap,
+        )
+        if new != self.shares:
+            self.shares = new
+            self.changes += 1
+            self.apply(new)
+
+    def metrics(self) -> dict[str, float]:
+        self._collect()
+        return {"dp_share_changes": float(self.changes)}
+
+    def report(self) -> dict[str, float]:
+        """Per replica: estimated speed and micro-batches of the global batch (the same on every rank)."""
+        self._collect()
+        speeds = self.replica_speeds() or [float("nan")] * len(self.shares)
+        out = {f"speed_dp{r}": s for r, s in enumerate(speeds)}
+        out.update({f"share_dp{r}": float(n) for r, n in enumerate(self.shares)})
+        return out
+
+    def state_dict(self) -> dict:
+        self._collect()
+        return {
+            "step": self.step,
+            "shares": list(self.shares),
+            "samples": [list(s) for s in self.estimator.samples],
+            "changes": self.changes,
+            "due": self._due,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the shares (the Trainer executes them from the next step) and the speed samples."""
+        for samples, values in zip(self.estimator.samples, state["samples"], strict=True):
+            samples.clear()
+            samples.extend(values)
+        self.shares = tuple(state["shares"])
+        self.apply(self.shares)
+        self.changes, self._due, self.step = state["changes"], state["due"], state["step"]
+        if self.trace is not None:
+            self.trace.resume_from = self.step + 1
+
+    def close(self) -> None:
+        """Close the trace and draw it."""
+        self._collect()
+        written = self.trace.close() if self.trace is not None else None
+        self.trace = None
+        if written is not None:
+            from megahet.runtime.trace_plot import plot_dp_trace
+
+            plot_dp_trace(written, written.with_suffix(".png"))

@@ -69,6 +69,27 @@ def test_zero_imputation_gives_dropped_units_exactly_zero_gradient(world1) -> No
                     assert torch.count_nonzero(g) > 0, (name, u)
 
 
+def test_uneven_shares_average_a_units_gradient_over_the_samples_that_computed_it(world1) -> None:
+    """Replica 1 drops unit 1; the replicas run 3 and 1 of 4 micro-batches. Replica 0's gradient of unit
+    1 is the only one; it covers 3 of the 4 micro-batches, so it is scaled by 4 / 3 (not D / k = 2);
+    every other unit by 1; evenly split (2, 2) it is 2 again."""
+    key = next(iter(DROPS))
+    executor = ResizeExecutor(gpt(), dp_rank=0, tp_rank=0, dp_size=2, imputation="zero")
+    executor.apply(ResizePlan({key: {(1, 0): (1,)}}))
+    expected = np.ones(num_units(key))
+    expected[1] = 2.0
+    np.testing.assert_allclose(executor._state[key].scale.numpy(), expected)
+    executor.set_shares((3, 1))
+    expected[1] = 4 / 3
+    np.testing.assert_allclose(executor._state[key].scale.numpy(), expected, rtol=1e-6)
+    assert executor.num_microbatches == 3
+    executor.set_shares((2, 2))
+    expected[1] = 2.0
+    np.testing.assert_allclose(executor._state[key].scale.numpy(), expected)
+    with pytest.raises(ValueError, match="2 shares for 3"):
+        ResizeExecutor(gpt(), dp_rank=0, tp_rank=0, dp_size=3).set_shares((2, 2))
+
+
 def test_average_imputation_is_the_mean_of_kept_units(world1) -> None:
     model, zero_model = gpt(), gpt()
     executor = ResizeExecutor(

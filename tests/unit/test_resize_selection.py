@@ -511,6 +511,8 @@ def test_compute_counts() -> None:
     # Every replica dropping a unit: count 0 (imputed).
     both = ResizePlan.from_dict({"blocks": {"attn:3": {"0,0": [1], "1,0": [1, 2]}}})
     assert both.compute_counts(("attn", 3), 0, 2, 4) == [2, 0, 1, 2]
+    # Weighted by each replica's micro-batches (uneven data-parallel shares): the micro-batches computing it.
+    assert plan.compute_counts(("mlp", 1), 0, 3, 5, weights=(5, 2, 1)) == [8, 1, 2, 7, 8]
 
 
 def test_block_names() -> None:

@@ -25,7 +25,8 @@ CALM_STEPS, STEPS = 6, 26
 # healthy_gap 0.1: two pinned ranks sharing a 2-core machine with the launcher and the OS measure up to
 # ~7 % apart when calm (the tests assert > 0.93); the contended rank runs at ~0.5.
 TP_BALANCE = "--parallel.tp 2 --balance.mode migrate --balance.window 5 --balance.healthy_gap 0.1"
-DP_SHARES = "--hetero.dp_shares measured --hetero.window 5 --hetero.healthy_gap 0.1 --train.micro_batch_size 1"
+# DP: whole replicas (each with its own optimizer step and data) measure up to ~12 % apart when calm.
+DP_SHARES = "--hetero.dp_shares measured --hetero.window 5 --hetero.healthy_gap 0.15 --train.micro_batch_size 1"
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +125,8 @@ def test_contended_replica_gets_a_smaller_share_of_the_batch(dp_records):
     rows, contended_from = dp_records
     by_step = {r["step"]: r for r in rows}
     calm = [by_step[s] for s in range(3, contended_from + 1)]
-    # Calm replicas measure up to ~12 % apart here (two pinned ranks on a 2-core machine); within the
-    # hysteresis (5 % of the step time) such a gap moves no sample: (9, 7) would gain < 1 %.
+    # Calm replicas measured up to ~12 % apart here (two pinned ranks on a 2-core machine): healthy
+    # (hetero.healthy_gap 0.15), and beyond it the hysteresis moves no sample for a gap below ~17 %.
     assert calm and all(r["share_dp0"] == r["share_dp1"] == 8 for r in calm), calm
     assert all(min(r["speed_dp0"], r["speed_dp1"]) > 0.8 for r in calm), calm
     moved = next(s for s in range(contended_from + 1, STEPS + 1) if by_step[s]["share_dp1"] < 8)

@@ -111,3 +111,38 @@ def test_measured_shares_follow_a_slow_replica_and_return_to_even(gpt_data: list
     speed = records[SLOW_UNTIL]["speed_dp1"]  # measured, never read from the device profile
     assert 0.15 < speed < 0.5, speed
     assert (tmp_path / "trace_dp.jsonl").is_file() and (tmp_path / "trace_dp.png").is_file()
+
+
+def test_resume_continues_with_the_saved_shares(gpt_data: list[str], tmp_path: Path):
+    """A run whose replica 1 is 4x slow saves at step 8; resumed, its first step runs the saved uneven
+    shares (restored from the checkpoint, not re-measured from even)."""
+    common = [
+        *("--model.num_layers", "2", "--model.hidden_size", "64", "--model.num_attention_heads", "4"),
+        *("--model.seq_length", "32", "--train.micro_batch_size", "1", "--train.global_batch_size", "16"),
+        *("--train.log_interval", "1", "--train.eval_interval", "100", "--train.eval_iters", "1"),
+        *("--resize.enabled", "true", "--device.profile", "static:1,0.25", "--device.rate_gflops", "1"),
+        *("--hetero.dp_shares", "measured", "--train.save", str(tmp_path / "ckpt")),
+        *("--logging.wandb", "false", "--logging.log_dir", str(tmp_path)),
+        *gpt_data,
+    ]
+    first, resumed = tmp_path / "first.jsonl", tmp_path / "resumed.jsonl"
+    torchrun(
+        "../../pretrain_gpt.py",
+        2,
+        [*common, "--train.train_iters", "8", "--logging.metrics_file", str(first)],
+        cwd=tmp_path,
+    )
+    load = [
+        "--train.load",
+        str(tmp_path / "ckpt"),
+        "--train.train_iters",
+        "10",
+        "--logging.metrics_file",
+        str(resumed),
+    ]
+    torchrun("../../pretrain_gpt.py", 2, [*common, *load], cwd=tmp_path)
+    saved, after = read_records(first), read_records(resumed)
+    assert set(after) == {9, 10}, sorted(after)
+    last = (int(saved[8]["share_dp0"]), int(saved[8]["share_dp1"]))
+    assert last[1] <= 4, last
+    assert (int(after[9]["share_dp0"]), int(after[9]["share_dp1"])) == last

@@ -144,3 +144,18 @@ def test_the_trace_continues_the_saved_runs(tmp_path) -> None:
     assert [r["step"] for r in rows] == list(range(STEPS))
     assert rows == [json.loads(line) for line in whole_trace.read_text().splitlines()]
     assert trace.with_suffix(".png").is_file()
+
+
+@pytest.mark.parametrize("mode", ["resize", "migrate", "semi"])
+def test_declared_speeds_plan_the_tp_group_before_any_measurement(mode: str) -> None:
+    """hetero.speeds feeds the TP plan from step 0 (`start_from`): the plan the measured speeds would
+    give, handed to the ResizeController at once; the measured speeds take over later."""
+    declared = _controller(mode)
+    declared.start_from([[2.0, 0.5]])  # relative: normalized to the fastest
+    measured = _controller(mode)
+    for step in range(8, 12):  # TP rank 1 at 0.25 (steps 6-17): measured, then planned at the interval
+        _step(measured, step)
+    measured.before_forward_backward(12)
+    assert declared.targets == measured.targets != [type(declared.targets[0])()]
+    assert (declared.resize.gammas, declared.resize.moves) == (measured.resize.gammas, measured.resize.moves)
+    assert declared.resize.replans == 1

@@ -4,8 +4,10 @@ Usage::
 
     python tools/plot_balance.py runs/balance.jsonl                 # -> runs/balance.png
     python tools/plot_balance.py runs/balance.jsonl --out plan.png --dp 1
+    python tools/plot_balance.py runs/balance_dp.jsonl              # data-parallel shares (hetero.dp_shares)
 
-The trace is what `--balance.trace FILE` writes (a PNG is also drawn beside it when the run ends).
+The trace is what `--balance.trace FILE` writes (a PNG is also drawn beside it when the run ends); with
+uneven data-parallel shares FILE_dp.jsonl holds each replica's speed and share per step.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megahet.runtime.trace_plot import plot_trace
+from megahet.runtime.trace_plot import plot_dp_trace, plot_trace, read_trace
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dp", type=int, default=0, help="which DP replica's TP group to draw")
     args = parser.parse_args(argv)
     try:
-        png = plot_trace(args.trace, args.out or args.trace.with_suffix(".png"), dp=args.dp)
+        out = args.out or args.trace.with_suffix(".png")
+        if "shares" in read_trace(args.trace)[0]:
+            png = plot_dp_trace(args.trace, out)
+        else:
+            png = plot_trace(args.trace, out, dp=args.dp)
     except (FileNotFoundError, ValueError, IndexError) as err:
         message = err if not isinstance(err, IndexError) else f"the trace has no DP replica {args.dp}"
         print(f"plot_balance: error: {message}", file=sys.stderr)

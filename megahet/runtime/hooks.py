@@ -1,7 +1,8 @@
 """The step-hook interface: what the Trainer calls around every optimizer step.
 
 Role: runtime (interface). `ResizeController` (megahet/runtime/resizer.py: executes the resize / migration plan),
-`BalanceController` (megahet/runtime/balancer.py: measures, estimates speeds, plans) and `DeviceStepHook`
+`BalanceController` (megahet/runtime/balancer.py: measures, estimates speeds, plans), `DataParallelBalancer`
+(megahet/runtime/dp_balancer.py: replica speeds, data-parallel shares) and `DeviceStepHook`
 (megahet/runtime/devices.py: a virtual device's step) implement it. A hook overrides what it needs; the rest
 are no-ops, and the Trainer calls every method of every hook.
 

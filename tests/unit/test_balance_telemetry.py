@@ -85,3 +85,22 @@ def test_plot_balance_draws_a_trace_and_reports_bad_inputs(tmp_path, capsys):
     trace.write_text(json.dumps(_row(0, False)) + "\n{truncated")
     assert plot_balance.main([str(trace)]) == 2
     assert "line 2 is not JSON" in capsys.readouterr().err
+
+
+def test_plot_balance_draws_a_data_parallel_trace(tmp_path):
+    """The DP balancer's run_dp.jsonl (shares and replica speeds per step) draws as its own PNG."""
+    trace = tmp_path / "run_dp.jsonl"
+    rows = [
+        {
+            "step": s,
+            "step_s": 0.5,
+            "shares": [8, 8] if s < 3 else [11, 5],
+            "replica_speed": None if s == 0 else [1.0, 0.5],
+            "compute_s": [0.4, 0.4],
+        }
+        for s in range(6)
+    ]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert plot_balance.main([str(trace)]) == 0
+    png = tmp_path / "run_dp.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

@@ -3,14 +3,15 @@
 Role: runtime (the step hook of heterogeneous data parallelism: measure, estimate, plan with the pure
 `megahet.policy.dp_shares`, hand the shares to the Trainer, which executes them).
 
-After every step each rank contributes two numbers — the micro-batches it ran and its own compute time
-(megatron-core's forward/backward compute regions minus the time blocked in collectives, measured as
-the TP balancer measures: megahet/runtime/timing.py) — gathered over the whole world by an
-asynchronous all-gather that completes while the step finishes. A rank's speed sample is micro-batches
-per second of its own compute (the embedding, output layer and loss move with the samples, so they
-count); the estimate is the median of the last `hetero.window` samples. A replica runs at its slowest
-pipeline stage, a stage at its slowest TP rank (a TP balancer inside the replica raises that measured
-rate; the shares follow). At the start of a step every rank runs the same `dp_shares` on the same
+After every step each rank contributes two numbers — the micro-batches it ran and the time of its
+forward/backward compute regions (megahet/runtime/timing.py: its own compute plus the TP collectives
+inside them, which every micro-batch pays too, and the waits for slower TP peers, which are its
+replica's pace; pipeline sends and receives and the data-parallel reduction fall outside) — gathered
+over the whole world by an asynchronous all-gather that completes while the step finishes. A rank's
+speed sample is micro-batches per second of that time (the embedding, output layer and loss move with
+the samples, so they count); the estimate is the median of the last `hetero.window` samples. A replica
+runs at its slowest pipeline stage, a stage at its slowest TP rank (a TP balancer inside the replica
+raises that measured rate; the shares follow). At the start of a step every rank runs the same `dp_shares` on the same
 numbers, so every rank's shares are the same, with hysteresis, and back to even when the replicas are
 alike. Virtual devices (`--device.profile` over the whole mesh) are measured through the same path:
 the balancer never reads their profile.
@@ -93,7 +94,9 @@ class DataParallelBalancer(StepHook):
         self.step = step
 
     def after_step(self, engine) -> None:
-        mine = torch.tensor([self.shares[self.layout.dp_rank], self.times().compute_s], dtype=torch.float64)
+        t = self.times()
+        region_s = t.compute_s + t.wait_s  # the replica's time per micro-batch, TP collectives included
+        mine = torch.tensor([self.shares[self.layout.dp_rank], region_s], dtype=torch.float64)
         rows = [torch.empty_like(mine) for _ in range(self.layout.world_size)]
         handle = dist.all_gather(rows, mine, async_op=True)
         self._pending = (handle, rows, self.step, time.perf_counter() - self.step_start())
@@ -104,8 +107,8 @@ class DataParallelBalancer(StepHook):
         handle, rows, step, step_s = self._pending
         self._pending = None
         handle.wait()
-        micro, compute = ([float(r[i]) for r in rows] for i in range(2))
-        self.estimator.update(micro, compute)
+        micro, region = ([float(r[i]) for r in rows] for i in range(2))
+        self.estimator.update(micro, region)
         if self.trace is not None:
             self.trace.write(
                 {
@@ -113,7 +116,7 @@ class DataParallelBalancer(StepHook):
                     "step_s": step_s,
                     "shares": list(self.shares),
                     "replica_speed": self.replica_speeds(),
-                    "compute_s": compute,
+                    "region_s": region,
                 }
             )
         self._due = self.measured and (step + 1) % self.cfg.interval == 0 and self.estimator.ready

@@ -96,7 +96,7 @@ def test_plot_balance_draws_a_data_parallel_trace(tmp_path):
             "step_s": 0.5,
             "shares": [8, 8] if s < 3 else [11, 5],
             "replica_speed": None if s == 0 else [1.0, 0.5],
-            "compute_s": [0.4, 0.4],
+            "region_s": [0.4, 0.4],
         }
         for s in range(6)
     ]

@@ -265,6 +265,17 @@ def goals(rows: list[dict], overhead: dict | None) -> list[str]:
     return lines
 
 
+def write_results(
+    name: str, rows: list[dict], columns: list[str], meta: dict, lines: list[str], all_times
+) -> None:
+    """results/<name>.{json,md} with the goal lines appended to the table, and the step-time plot."""
+    folder = save_results(name, rows, columns, meta)
+    with (folder / f"{name}.md").open("a") as md:
+        md.write("\nGoals (computed from the rows above):\n\n" + "\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plot(all_times, folder / f"{name}.png")
+
+
 def merge_rerun(name: str, rows: list[dict], meta: dict, all_times: dict, warmup: int, steps: int):
     """Put a rerun's rows into results/<name>.json in place of its profiles' old rows (profile order
     kept); the step times of the profiles not rerun come back from their traces for the plot."""
@@ -293,10 +304,17 @@ def merge_rerun(name: str, rows: list[dict], meta: dict, all_times: dict, warmup
     return merged, merged_meta, {p: all_times[p] for p in dict.fromkeys(r["profile"] for r in merged)}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def profile_parser(doc: str, name: str, warmup_help: str) -> argparse.ArgumentParser:
+    """The efficiency benchmarks' common options: --profiles, --warmup, --name."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--profiles", nargs="*", default=None, help="names to run (default: all)")
-    parser.add_argument("--warmup", type=int, default=4, help="homogeneous steps before a static straggler")
+    parser.add_argument("--warmup", type=int, default=4, help=warmup_help)
+    parser.add_argument("--name", default=name)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = profile_parser(__doc__, "balance_efficiency", "homogeneous steps before a static straggler")
     parser.add_argument("--steps", type=int, default=16, help="steps of the static-straggler profiles")
     parser.add_argument(
         "--rate-tp4",
@@ -306,7 +324,6 @@ def main(argv: list[str] | None = None) -> None:
         "is the same ~0.5 s at every TP, as the work per rank shrinks with TP)",
     )
     parser.add_argument("--overhead-repeats", type=int, default=4, help="0 skips the overhead runs")
-    parser.add_argument("--name", default="balance_efficiency")
     parser.add_argument(
         "--overhead-only",
         action="store_true",
@@ -359,12 +376,7 @@ def main(argv: list[str] | None = None) -> None:
         "reaction_compute_steps",
         "compute_bound",
     ]
-    folder = save_results(args.name, rows, columns, meta)
-    lines = goals(rows, meta.get("balancer_overhead"))
-    with (folder / f"{args.name}.md").open("a") as md:
-        md.write("\nGoals (computed from the rows above):\n\n" + "\n".join(lines) + "\n")
-    print("\n".join(lines))
-    plot(all_times, folder / f"{args.name}.png")
+    write_results(args.name, rows, columns, meta, goals(rows, meta.get("balancer_overhead")), all_times)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ benchmarks/results/dp_efficiency_runs/.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
@@ -34,8 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.balance_efficiency import plot, reaction
-from benchmarks.common import RESULTS, markdown_table, save_results, torchrun
+from benchmarks.balance_efficiency import profile_parser, reaction, write_results
+from benchmarks.common import RESULTS, markdown_table, torchrun
 from megahet.policy.dp_shares import dp_shares, step_time
 
 RUNS = RESULTS / "dp_efficiency_runs"
@@ -152,17 +151,9 @@ GOAL = 0.90
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--profiles", nargs="*", default=None, help="names to run (default: all)")
-    parser.add_argument("--warmup", type=int, default=4, help="homogeneous steps before the slow replicas")
+    parser = profile_parser(__doc__, "dp_efficiency", "homogeneous steps before the slow replicas")
     parser.add_argument("--slow-steps", type=int, default=12, help="steps slow, then as many recovered")
-    parser.add_argument(
-        "--rate",
-        type=float,
-        default=5.0,
-        help="GFLOP/s of a speed-1 device (a speed-1 step ~0.5 s of compute)",
-    )
-    parser.add_argument("--name", default="dp_efficiency")
+    parser.add_argument("--rate", type=float, default=3.0, help="GFLOP/s of a speed-1 device")
     args = parser.parse_args(argv)
     RUNS.mkdir(parents=True, exist_ok=True)
     chosen = [p for p in PROFILES if args.profiles is None or p.name in args.profiles]
@@ -190,7 +181,6 @@ def main(argv: list[str] | None = None) -> None:
         "wall_s": time.perf_counter() - t0,
     }
     columns = list(rows[-1])
-    folder = save_results(args.name, rows, columns, meta)
     lines = [
         f"- {r['profile']} measured: E {r['efficiency']:.3f} vs >= {GOAL:.2f} -> "
         f"{'met' if r['efficiency'] >= GOAL else 'MISSED'} (static {s['efficiency']:.3f}, static bound "
@@ -198,10 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{r['react_slow']} steps to the slow replicas, {r['react_back']} back"
         for r, s in zip(rows[1::2], rows[0::2])
     ]
-    with (folder / f"{args.name}.md").open("a") as md:
-        md.write("\nGoals (computed from the rows above):\n\n" + "\n".join(lines) + "\n")
-    print("\n".join(lines))
-    plot(all_times, folder / f"{args.name}.png")
+    write_results(args.name, rows, columns, meta, lines, all_times)
 
 
 if __name__ == "__main__":

@@ -39,14 +39,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megahet.config import MegahetConfig
 from megahet.parallel import ParallelLayout
 from megahet.policy.detector import SpeedEstimator
 from megahet.policy.planner import WorkTarget, balance
-from megahet.runtime.hooks import StepHook
+from megahet.runtime.hooks import MeasuringHook
 from megahet.runtime.timing import StepTimes
 from megahet.runtime.trace_writer import TraceWriter
 
@@ -65,7 +64,7 @@ def trace_path(path: str, pp_rank: int, pp_size: int) -> Path:
     return path if pp_size == 1 else path.with_name(f"{path.stem}_stage{pp_rank}{path.suffix}")
 
 
-class BalanceController(StepHook):
+class BalanceController(MeasuringHook):
     checkpointed = True
     settings_free = ("trace",)
     """Settings a resumed run may change and keep this state (checkpoint.py compares the rest)."""
@@ -90,8 +89,6 @@ class BalanceController(StepHook):
         self.changes = 0
         self._flops0 = 0.0
         self._efficiency: list[float] = []
-        self._pending = None
-        """(all_gather handle, rows, step, step seconds) of the last step, until `_collect`."""
         self._due = False
         self.step = -1
         self.trace = None
@@ -120,18 +117,14 @@ class BalanceController(StepHook):
             [self.layout.dp_rank, self.layout.tp_rank, work, t.layers_s, t.compute_s, t.wait_s],
             dtype=torch.float64,
         )
-        group = ps.get_tensor_and_data_parallel_group()
-        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-        handle = dist.all_gather(rows, mine, group=group, async_op=True)
-        self._pending = (handle, rows, self.step, time.perf_counter() - self.step_start())
+        self._gather(mine, ps.get_tensor_and_data_parallel_group())
 
     def _collect(self) -> None:
         """Wait for the pending gather; feed the estimators, the efficiency and the trace with it."""
-        if self._pending is None:
+        gathered = self._take()
+        if gathered is None:
             return
-        handle, rows, step, step_s = self._pending
-        self._pending = None
-        handle.wait()
+        rows, step, step_s = gathered
         table = {(int(r[0]), int(r[1])): r[2:].tolist() for r in rows}
         tp, dp = range(self.layout.tp_size), range(self.layout.dp_size)
         # [field][dp][tp]: work, layers' own compute, all own compute, collective waits

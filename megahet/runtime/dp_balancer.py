@@ -37,7 +37,7 @@ from megahet.config import MegahetConfig
 from megahet.parallel import ParallelLayout
 from megahet.policy.detector import SpeedEstimator
 from megahet.policy.dp_shares import RankCoords, dp_shares, replica_speeds
-from megahet.runtime.hooks import StepHook
+from megahet.runtime.hooks import MeasuringHook
 from megahet.runtime.timing import StepTimes
 from megahet.runtime.trace_writer import TraceWriter
 
@@ -55,7 +55,7 @@ def dp_trace_path(path: str) -> Path:
     return path.with_name(f"{path.stem}_dp{path.suffix}")
 
 
-class DataParallelBalancer(StepHook):
+class DataParallelBalancer(MeasuringHook):
     checkpointed = True
 
     def __init__(
@@ -77,8 +77,6 @@ class DataParallelBalancer(StepHook):
         self.estimator = SpeedEstimator(layout.world_size, cfg.hetero.window)
         self.step_start = step_start
         self.changes = 0
-        self.step = -1
-        self._pending = None
         self._due = False
         self.trace = (
             TraceWriter(dp_trace_path(cfg.balance.trace)) if cfg.balance.trace and layout.rank == 0 else None
@@ -97,16 +95,13 @@ class DataParallelBalancer(StepHook):
         t = self.times()
         region_s = t.compute_s + t.wait_s  # the replica's time per micro-batch, TP collectives included
         mine = torch.tensor([self.shares[self.layout.dp_rank], region_s], dtype=torch.float64)
-        rows = [torch.empty_like(mine) for _ in range(self.layout.world_size)]
-        handle = dist.all_gather(rows, mine, async_op=True)
-        self._pending = (handle, rows, self.step, time.perf_counter() - self.step_start())
+        self._gather(mine)
 
     def _collect(self) -> None:
-        if self._pending is None:
+        gathered = self._take()
+        if gathered is None:
             return
-        handle, rows, step, step_s = self._pending
-        self._pending = None
-        handle.wait()
+        rows, step, step_s = gathered
         micro, region = ([float(r[i]) for r in rows] for i in range(2))
         self.estimator.update(micro, region)
         if self.trace is not None:

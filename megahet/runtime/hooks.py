@@ -17,7 +17,12 @@ resume when its settings (`cfg`, a dataclass, but for the names in `settings_fre
 from __future__ import annotations
 
 import contextlib
+import time
+from collections.abc import Callable
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 
 class StepHook:
@@ -60,3 +65,28 @@ class StepHook:
 
     def load_state_dict(self, state: dict) -> None:
         raise NotImplementedError(f"{type(self).__name__} is not checkpointed")
+
+
+class MeasuringHook(StepHook):
+    """A hook that gathers a few numbers per rank after every step, asynchronously (they travel while
+    the step finishes), and folds them in at the start of the next (the balancers)."""
+
+    step: int = -1
+    step_start: Callable[[], float] = time.perf_counter
+    """When the current step began (the Trainer's clock)."""
+    _pending: tuple | None = None
+    """(all_gather handle, rows, step, step seconds) of the last step, until `_take`."""
+
+    def _gather(self, mine: torch.Tensor, group=None) -> None:
+        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        handle = dist.all_gather(rows, mine, group=group, async_op=True)
+        self._pending = (handle, rows, self.step, time.perf_counter() - self.step_start())
+
+    def _take(self) -> tuple[list[torch.Tensor], int, float] | None:
+        """The last step's gathered rows, its step and its seconds (waited for), or None."""
+        if self._pending is None:
+            return None
+        handle, rows, step, step_s = self._pending
+        self._pending = None
+        handle.wait()
+        return rows, step, step_s

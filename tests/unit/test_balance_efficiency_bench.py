@@ -123,3 +123,18 @@ def test_a_run_launches_the_benchmark_gpt_through_the_shared_launcher(tmp_path, 
     assert args[args.index("--balance.mode") + 1] == "static"  # the twin runs unbalanced
     assert args[args.index("--device.profile") + 1] == profile.twin()
     assert trace == [{"step": 1, "step_time_s": 0.5}]
+
+
+def test_dp_profiles_slow_whole_replicas_and_their_twin_runs_at_the_mean():
+    from benchmarks.dp_efficiency import PROFILES, DpProfile
+
+    profile = DpProfile("p", 2, (1.0, 0.25))
+    spec = parse_profile(profile.spec(warmup=4, slow=12))
+    twin = parse_profile(profile.spec(warmup=4, slow=12, twin=True))
+    assert [spec.speed(r, 3, 4) for r in range(4)] == [1.0] * 4
+    assert [spec.speed(r, 4, 4) for r in range(4)] == [1.0, 1.0, 0.25, 0.25]  # replica 1 = ranks 2, 3
+    assert [twin.speed(r, 10, 4) for r in range(4)] == [0.625] * 4
+    assert [spec.speed(r, 16, 4) for r in range(4)] == [1.0] * 4  # recovered
+    # 16 micro-batches over [1, 0.25]: (13, 3) takes 13 against the twin's 16 / 1.25 = 12.8
+    assert profile.split_bound() == pytest.approx(12.8 / 13)
+    assert {p.name for p in PROFILES} == {"tp2dp2_2x", "tp2dp2_4x", "dp4_mixed"}

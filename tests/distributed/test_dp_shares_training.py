@@ -15,7 +15,7 @@ step 6 to 18 (`--device.profile schedule:...` with one speed per global rank) an
 `--hetero.dp_shares measured`: the shares follow the measured speeds within a few steps and return to
 even when replica 1 recovers.
 
-Run: python -m pytest tests/distributed/test_dp_shares.py -q   (about 3 minutes on 2 idle CPU cores)
+Run: python -m pytest tests/distributed/test_dp_shares_training.py -q   (about 3 minutes on 2 idle CPU cores)
 """
 
 from __future__ import annotations
@@ -146,3 +146,21 @@ def test_resume_continues_with_the_saved_shares(gpt_data: list[str], tmp_path: P
     last = (int(saved[8]["share_dp0"]), int(saved[8]["share_dp1"]))
     assert last[1] <= 4, last
     assert (int(after[9]["share_dp0"]), int(after[9]["share_dp1"])) == last
+
+
+def test_declared_speeds_plan_the_tp_group_from_the_first_step(gpt_data: list[str], tmp_path: Path):
+    """`--hetero.speeds 1,0.25` at TP=2 with the migrating balancer: the first step already runs with
+    work moved off TP rank 1 (nothing is measured yet); without a declaration it runs even."""
+    metrics = tmp_path / "metrics.jsonl"
+    args = [
+        *("--model.num_layers", "2", "--model.hidden_size", "64", "--model.num_attention_heads", "4"),
+        *("--model.seq_length", "32", "--train.micro_batch_size", "2", "--train.global_batch_size", "4"),
+        *("--train.train_iters", "1", "--train.log_interval", "1", "--train.eval_interval", "10"),
+        *("--train.eval_iters", "1", "--parallel.tp", "2", "--balance.mode", "migrate"),
+        *("--hetero.speeds", "1,0.25", "--logging.wandb", "false", "--logging.log_dir", str(tmp_path)),
+        *("--logging.metrics_file", str(metrics)),
+        *gpt_data,
+    ]
+    torchrun("../../pretrain_gpt.py", 2, args, cwd=tmp_path)
+    first = read_records(metrics)[1]
+    assert first["moved_tp1"] > 0.5 and first["moved_tp0"] < -0.5, first  # ideal share 0.25 / 1.25 = 0.2

@@ -26,7 +26,9 @@ CALM_STEPS, STEPS = 6, 26
 # ~7 % apart when calm (the tests assert > 0.93); the contended rank runs at ~0.5.
 TP_BALANCE = "--parallel.tp 2 --balance.mode migrate --balance.window 5 --balance.healthy_gap 0.1"
 # DP: whole replicas (each with its own optimizer step and data) measure up to ~12 % apart when calm.
-DP_SHARES = "--hetero.dp_shares measured --hetero.window 5 --hetero.healthy_gap 0.15 --train.micro_batch_size 1"
+DP_SHARES = (
+    "--hetero.dp_shares measured --hetero.window 5 --hetero.healthy_gap 0.15 --train.micro_batch_size 1"
+)
 
 
 @pytest.fixture(scope="module")

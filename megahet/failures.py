@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -72,16 +73,30 @@ def dead_ranks(peers: list[tuple[str, int]], host: str) -> list[int]:
     return [rank for rank, (h, pid) in enumerate(peers) if h == host and not _alive(pid)]
 
 
+EXIT_GRACE_S = 2.0
+"""How long to wait for a killed peer to show as gone: its sockets close (the survivors' error) before
+its process has finished exiting."""
+
+
+def _wait_for_dead(peers: list[tuple[str, int]], host: str, grace_s: float = EXIT_GRACE_S) -> list[int]:
+    deadline = time.monotonic() + grace_s
+    while not (dead := dead_ranks(peers, host)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return dead
+
+
 def lost_peer_message(err: BaseException) -> str:
     """One line: which rank this is, which peers are gone (those of this host, by their pid), the
     cause as torch.distributed reported it, and how to go on."""
     rank = dist.get_rank()  # is_peer_loss: the process group is up
-    dead = dead_ranks(_PEERS, socket.gethostname())
-    who = (
-        f"rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} died"
-        if dead
-        else "a rank on another host stopped (its node's launcher names it)"
-    )
+    host = socket.gethostname()
+    dead = _wait_for_dead(_PEERS, host)
+    if dead:
+        who = f"rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} died"
+    elif any(h != host for h, _ in _PEERS):
+        who = "a rank on another host stopped (its node's launcher names it)"
+    else:
+        who = "a peer rank closed its connection (the launcher's summary names it)"
     cause = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
     return (
         f"megahet: error: rank {rank}: {who} ({cause}); the job stops: run the same command with "

@@ -115,3 +115,22 @@ def test_dead_ranks_are_found_by_pid(state: str) -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_peer_still_exiting_is_waited_for() -> None:
+    """A survivor's collective fails as soon as the killed rank's sockets close, which is before its
+    process shows as gone: the message waits a moment for it rather than blaming another host."""
+    import threading
+
+    from megahet.failures import _wait_for_dead
+
+    child = subprocess.Popen(["sleep", "30"])
+    killer = threading.Timer(0.3, child.kill)
+    killer.start()
+    try:
+        assert _wait_for_dead([("this", os.getpid()), ("this", child.pid)], "this", grace_s=10.0) == [1]
+        assert _wait_for_dead([("this", os.getpid())], "this", grace_s=0.1) == []
+    finally:
+        killer.cancel()
+        child.kill()
+        child.wait()

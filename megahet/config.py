@@ -33,7 +33,7 @@ class ConfigError(ValueError):
 @dataclasses.dataclass(kw_only=True)
 class ModelConfig:
     num_layers: int = 4
-    """Transformer layers (split evenly over pipeline stages)."""
+    """Transformer layers (split over pipeline stages evenly, or as parallel.stage_layers says)."""
     hidden_size: int = 128
     num_attention_heads: int = 4
     ffn_hidden_size: int | None = None
@@ -66,6 +66,9 @@ class ParallelConfig:
     """Tensor-parallel size: ranks that split every layer's matmuls."""
     pp: int = 1
     """Pipeline-parallel size: stages of consecutive layers (1F1B schedule)."""
+    stage_layers: str | None = None
+    """Transformer layers per pipeline stage, 'L0,L1,...' (each >= 1, summing to model.num_layers), e.g.
+    3,5 to give a slow first stage fewer layers; None: model.num_layers / pp each (or hetero.pp_split's)."""
     zero_stage: int = 1
     """DeepSpeed ZeRO stage for data parallelism: 1 or 2 (2 only with pp = 1)."""
     distributed_timeout_minutes: int = 10
@@ -236,12 +239,25 @@ class HeteroConfig:
     healthy_gap: float = 0.05
     """Replicas within this of the fastest split the batch evenly."""
     hysteresis: float = 0.05
-    """measured: keep the current shares unless the new ones cut the slowest replica's time by more than
-    this fraction (noise and ties do not move samples back and forth)."""
+    """measured: keep the current shares (or stage split) unless the new ones cut the slowest replica's
+    (stage's) time by more than this fraction (noise and ties do not move samples or layers back and forth)."""
+    pp_split: Literal["even", "declared", "measured"] = "even"
+    """Heterogeneous pipeline stages: even (parallel.stage_layers, or L / PP each); declared: layers per stage
+    from hetero.speeds at start; measured: re-split at run time from each stage's measured time per layer
+    (starting from hetero.speeds or parallel.stage_layers), moving layers with their optimizer state."""
+    pp_patience: int = 3
+    """measured: planning decisions in a row that must ask for the same new split before the stages are
+    re-split (a re-split rebuilds the stages and their optimizer: it must pay off)."""
 
     @property
     def active(self) -> bool:
+        """Data-parallel shares are planned (declared or measured)."""
         return self.dp_shares != "even"
+
+    @property
+    def pp_active(self) -> bool:
+        """The pipeline split is planned (declared or measured)."""
+        return self.pp_split != "even"
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -45,11 +45,7 @@ def validate(cfg: MegahetConfig, world_size: int) -> int:
         f"parallel.tp {p.tp} does not divide the MLP size {m.ffn_size} (model.ffn_hidden_size, default "
         f"4 * hidden_size): use a TP size that divides it or set model.ffn_hidden_size",
     )
-    _require(
-        m.num_layers % p.pp == 0,
-        f"parallel.pp {p.pp} does not divide model.num_layers {m.num_layers}: "
-        f"use a layer count that is a multiple of the pipeline size",
-    )
+    _validate_stage_layers(cfg)
     check_world_size(world_size, p.tp, p.pp)
     _require(p.zero_stage in (1, 2), f"parallel.zero_stage must be 1 or 2, got {p.zero_stage}")
     _require(
@@ -93,6 +89,37 @@ def validate(cfg: MegahetConfig, world_size: int) -> int:
     return dp
 
 
+def stage_split(cfg: MegahetConfig) -> tuple[int, ...]:
+    """The run's layers per pipeline stage: parallel.stage_layers, else the even split (as even as whole
+    layers allow when the split is planned: hetero.pp_split)."""
+    from megahet.policy.stage_split import best_split, parse_stage_layers
+
+    m, p = cfg.model, cfg.parallel
+    if p.stage_layers:
+        return parse_stage_layers(p.stage_layers, m.num_layers, p.pp)
+    return best_split([1.0] * p.pp, [0.0] * p.pp, m.num_layers)
+
+
+def _validate_stage_layers(cfg: MegahetConfig) -> None:
+    m, p = cfg.model, cfg.parallel
+    _require(
+        m.num_layers >= p.pp,
+        f"model.num_layers {m.num_layers} cannot give each of parallel.pp {p.pp} stages one",
+    )
+    if p.stage_layers:
+        try:
+            stage_split(cfg)
+        except ValueError as err:
+            raise ConfigError(f"parallel.stage_layers: {err}") from None
+        return
+    _require(
+        m.num_layers % p.pp == 0 or cfg.hetero.pp_active,
+        f"parallel.pp {p.pp} does not divide model.num_layers {m.num_layers}: give the layers per stage "
+        f"(parallel.stage_layers, e.g. {','.join(['1'] * (p.pp - 1) + [str(max(1, m.num_layers - p.pp + 1))])}) "
+        f"or use a layer count that is a multiple of the pipeline size",
+    )
+
+
 def ranks_per_node(world_size: int) -> int:
     """Ranks per node as the launcher says (torchrun and deepspeed set LOCAL_WORLD_SIZE); one node if unset."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -112,10 +139,20 @@ def _validate_hetero(cfg: MegahetConfig, world_size: int, dp: int) -> None:
         "hetero.dp_shares=declared needs hetero.speeds (one relative speed per rank, or a nodes: file)",
     )
     _require(
-        not (h.speeds and not h.active and cfg.balance.mode == "static"),
+        not (h.speeds and not h.active and not h.pp_active and cfg.balance.mode == "static"),
         "hetero.speeds is declared but nothing uses it: set hetero.dp_shares=declared or measured (data-parallel "
-        "shares) and/or balance.mode (the TP plan)",
+        "shares), hetero.pp_split=declared or measured (layers per stage) and/or balance.mode (the TP plan)",
     )
+    _require(
+        not (h.pp_split == "declared" and not h.speeds),
+        "hetero.pp_split=declared needs hetero.speeds (one relative speed per rank, or a nodes: file)",
+    )
+    _require(
+        not (h.pp_active and cfg.parallel.pp < 2),
+        f"hetero.pp_split={h.pp_split} splits the layers over pipeline stages, but parallel.pp is "
+        f"{cfg.parallel.pp}: set parallel.pp >= 2 or hetero.pp_split=even",
+    )
+    _require(h.pp_patience > 0, f"hetero.pp_patience must be positive, got {h.pp_patience}")
     _require(h.interval > 0 and h.window > 0, "hetero.interval and hetero.window must be positive")
     _require(0 <= h.healthy_gap < 1, f"hetero.healthy_gap must be in [0, 1), got {h.healthy_gap}")
     _require(0 <= h.hysteresis < 1, f"hetero.hysteresis must be in [0, 1), got {h.hysteresis}")

@@ -67,6 +67,13 @@ def check_world_size(world_size: int, tp: int, pp: int) -> int:
     return world_size // (tp * pp)
 
 
+def mesh_coords(world_size: int, tp: int, pp: int) -> list[tuple[int, int, int]]:
+    """(dp, pp, tp) of every global rank as megatron-core lays the mesh out (its default order
+    "tp-cp-ep-dp-pp": TP fastest, then DP, then PP), known before any process group starts."""
+    dp = check_world_size(world_size, tp, pp)
+    return [((rank // tp) % dp, rank // (tp * dp), rank % tp) for rank in range(world_size)]
+
+
 def _init_process_group(timeout_minutes: int) -> None:
     if dist.is_initialized():
         return

@@ -33,10 +33,11 @@ from megahet.config_checks import validate
 from megahet.engine import build_engine, fold_deepspeed_json
 from megahet.failures import first_local_rank, is_peer_loss, lost_peer_message, record_peers
 from megahet.logging import TrainingLogger
-from megahet.parallel import ParallelLayout, destroy_parallel, initialize_parallel
+from megahet.parallel import ParallelLayout, destroy_parallel, initialize_parallel, mesh_coords
 from megahet.platform import cuda_available
 from megahet.policy.dp_shares import even_shares, replica_loss_scale
 from megahet.runtime.hooks import StepHook
+from megahet.runtime.stage_plan import start_split
 from megahet.runtime.timing import CommClock, ComputeTimers, StepTimes, time_layers
 
 ForwardStep = Callable[[Iterator[dict], torch.nn.Module], tuple[torch.Tensor, Callable]]
@@ -316,6 +317,7 @@ def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
     resume = checkpoint.find_resume(cfg)
     if resume is not None:
         checkpoint.check_model(resume, cfg, spec.vocab_size(cfg))
+    cfg = start_split(cfg, world, spec.vocab_size(cfg), resume)  # hetero.pp_split: the layers per stage
     cfg, layout_note, reshard = plan_resume(cfg, resume, world)  # TP x PP fitted to this world
     dp_size = validate(cfg, world)
     if cfg.train.precision == "bf16" and cuda_available() and not torch.cuda.is_bf16_supported():
@@ -339,8 +341,11 @@ def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
     task = spec.build(cfg, layout)
     engine = build_engine(cfg, task.model, layout.dp_size, user_ds)
     logger = TrainingLogger(cfg, layout, run_name=spec.name)
+    split = (
+        f" (layers {cfg.parallel.stage_layers})" if cfg.parallel.stage_layers and layout.pp_size > 1 else ""
+    )
     logger.print(
-        f"megahet {spec.name}: world {layout.world_size} = TP {layout.tp_size} x PP {layout.pp_size} x "
+        f"megahet {spec.name}: world {layout.world_size} = TP {layout.tp_size} x PP {layout.pp_size}{split} x "
         f"DP {layout.dp_size}, ZeRO-{cfg.parallel.zero_stage}, {cfg.train.precision}, "
         f"{sum(p.numel() for p in task.model.parameters())} parameters on this rank"
     )
@@ -392,6 +397,8 @@ def _start_heterogeneous(cfg: MegahetConfig, trainer: Trainer, balancer) -> None
     from megahet.runtime.dp_balancer import DataParallelBalancer, rank_coords
 
     coords = rank_coords(layout)
+    if coords != mesh_coords(layout.world_size, layout.tp_size, layout.pp_size):  # what start_split assumed
+        raise RuntimeError(f"megatron-core's rank order is not tp-dp-pp: {coords}")
     if h.speeds:
         declared = parse_declared_speeds(h.speeds, layout.world_size, ranks_per_node(layout.world_size))
         by_coords = dict(zip(coords, declared))

@@ -4,6 +4,7 @@
     python tools/convert_checkpoint.py export-hf --load ckpt --out hf_gpt2 [--tokenizer spm.model]
     python tools/convert_checkpoint.py export-vit --load vit_ckpt --out vit_dir
     python tools/convert_checkpoint.py reshard --load ckpt --out ckpt_tp4 --tp 4 --pp 1 [--vocab-size V] [--with-optimizer]
+    python tools/convert_checkpoint.py reshard --load ckpt --out ckpt_35 --tp 1 --pp 2 --stage-layers 3,5
 
 `--load` is a --train.save folder (its `latest`) or one DIR/iter_NNNNNNN. `consolidate` writes one
 unsharded fp32 state dict (TP=1 PP=1 names; torch.load it). `export-hf` writes a GPT2LMHeadModel with
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from megahet.checkpointing.checkpoint import describe_layout
 from megahet.checkpointing.convert import (
     checkpoint_tokenizer,
     consolidate,
@@ -39,6 +41,17 @@ from megahet.checkpointing.convert import (
 from megahet.config import ConfigError, load_config
 
 
+def _stage_layers(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise ConfigError(
+            f"reshard: --stage-layers {text!r} is not comma-separated layer counts (e.g. 3,5)"
+        ) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["consolidate", "export-hf", "export-vit", "reshard"])
@@ -46,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--tp", type=int, help="reshard: tensor-parallel size of the new checkpoint")
     parser.add_argument("--pp", type=int, help="reshard: pipeline-parallel size of the new checkpoint")
+    parser.add_argument(
+        "--stage-layers", help="reshard: layers per new pipeline stage, L0,L1,... (default: even)"
+    )
     parser.add_argument("--vocab-size", type=int, help="reshard: the tokenizer's vocabulary (GPT), if asked")
     parser.add_argument(
         "--with-optimizer",
@@ -65,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "reshard":
             if args.tp is None or args.pp is None:
                 raise ConfigError("reshard needs the new layout: pass --tp N --pp M")
+            split = _stage_layers(args.stage_layers)
             folder, meta, seconds = reshard(
                 args.load,
                 args.out,
@@ -73,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                 model=given,
                 vocab_size=args.vocab_size,
                 optimizer=args.with_optimizer,
+                stage_layers=split,
             )
             src = meta["resharded_from"]["layout"]
             what = (
@@ -81,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                 else "weights only (loading it restarts the optimizer)"
             )
             print(
-                f"reshard: step {meta['iteration']}, TP {src['tp']} x PP {src['pp']} -> TP {args.tp} x PP "
-                f"{args.pp}, {what} -> {folder} in {seconds:.2f} s"
+                f"reshard: step {meta['iteration']}, {describe_layout(src)} -> {describe_layout(meta['layout'])}, "
+                f"{what} -> {folder} in {seconds:.2f} s"
             )
             return 0
         state, meta = consolidate(args.load)

@@ -184,9 +184,30 @@ def per_parameter(resume: Resume) -> bool:
     return resume.meta.get("optimizer") == "per_parameter"
 
 
-def layout_of(cfg: MegahetConfig, dp: int) -> dict[str, int]:
+def layout_of(cfg: MegahetConfig, dp: int) -> dict:
+    """The sharding a checkpoint records: TP x PP x DP, the ZeRO stage, and the layers per stage when
+    they are uneven (parallel.stage_layers)."""
+    from megahet.config_checks import stage_split
+
     p = cfg.parallel
-    return {"tp": p.tp, "pp": p.pp, "dp": dp, "zero_stage": p.zero_stage}
+    return {"tp": p.tp, "pp": p.pp, "dp": dp, "zero_stage": p.zero_stage, **_split_entry(stage_split(cfg))}
+
+
+def _split_entry(split) -> dict:
+    """{"stage_layers": [...]} for an uneven split, {} for an even one (which older checkpoints imply)."""
+    return {"stage_layers": list(split)} if split is not None and len(set(split)) > 1 else {}
+
+
+def saved_split(layout: dict, num_layers: int) -> tuple[int, ...]:
+    """The layers per stage a checkpoint's layout records (even when it records none)."""
+    if "stage_layers" in layout:
+        return tuple(layout["stage_layers"])
+    return (num_layers // layout["pp"],) * layout["pp"]
+
+
+def describe_layout(layout: dict) -> str:
+    split = f" (layers {','.join(map(str, layout['stage_layers']))})" if "stage_layers" in layout else ""
+    return f"TP {layout['tp']} x PP {layout['pp']}{split}"
 
 
 def check_compatible(resume: Resume, cfg: MegahetConfig, dp: int) -> None:
@@ -194,21 +215,26 @@ def check_compatible(resume: Resume, cfg: MegahetConfig, dp: int) -> None:
     A weights-only checkpoint has no optimizer shards, and a resharded one keeps its optimizer state
     per parameter: for those only TP x PP must match."""
     saved, now = resume.meta["layout"], layout_of(cfg, dp)
-    reshard = f"reshard it with tools/convert_checkpoint.py reshard --tp {now['tp']} --pp {now['pp']}"
-    same_model_parallel = (saved["tp"], saved["pp"]) == (now["tp"], now["pp"])
+    split = f" --stage-layers {','.join(map(str, now['stage_layers']))}" if "stage_layers" in now else ""
+    reshard = f"reshard it with tools/convert_checkpoint.py reshard --tp {now['tp']} --pp {now['pp']}{split}"
+    model_parallel = ("tp", "pp", "stage_layers")
+    same_model_parallel = all(saved.get(k) == now.get(k) for k in model_parallel)
     if resume.meta.get("weights_only") or per_parameter(resume):
         if not same_model_parallel:
             kind = "weights-only" if resume.meta.get("weights_only") else "resharded"
             raise ConfigError(
-                f"train.load: {kind} checkpoint {resume.path} is laid out for TP {saved['tp']} x PP "
-                f"{saved['pp']}, this run is TP {now['tp']} x PP {now['pp']}: {reshard}"
+                f"train.load: {kind} checkpoint {resume.path} is laid out for {describe_layout(saved)}, this run is "
+                f"{describe_layout(now)}: {reshard}"
             )
         return
     if saved != now:
-        fmt = "TP {tp} x PP {pp} x DP {dp}, ZeRO-{zero_stage}".format
+
+        def fmt(layout: dict) -> str:
+            return f"{describe_layout(layout)} x DP {layout['dp']}, ZeRO-{layout['zero_stage']}"
+
         also = "" if same_model_parallel else f", or {reshard} (weights only: the optimizer restarts)"
         raise ConfigError(
-            f"train.load: checkpoint {resume.path} was saved with {fmt(**saved)}, this run is {fmt(**now)}: "
+            f"train.load: checkpoint {resume.path} was saved with {fmt(saved)}, this run is {fmt(now)}: "
             f"resume with the same parallel layout{also}"
         )
 
@@ -416,6 +442,7 @@ def save_weights_only(
     meta: dict,
     optimizer: list[list[dict]] | None = None,
     files: dict[str, Path] | None = None,
+    stage_layers: tuple[int, ...] | None = None,
 ) -> Path:
     """Write a weights-only checkpoint into root (a new folder, or one holding other checkpoints):
     stages[pp_rank][tp_rank] is that rank's module state dict (stage-local names, as the model's
@@ -423,7 +450,8 @@ def save_weights_only(
     true, layout TP x PP, plus `meta`); `latest` names it. With `optimizer` ([pp_rank][tp_rank]: the
     per-parameter fp32 masters, Adam moments and step, LR schedule) it also writes those, and it is a
     full checkpoint at any DP size ("optimizer": "per_parameter"). `files`: more files to copy in, by
-    name (e.g. the tokenizer model). Returns the checkpoint folder."""
+    name (e.g. the tokenizer model). `stage_layers`: the layers per stage, recorded when uneven.
+    Returns the checkpoint folder."""
     tp, pp = len(stages[0]), len(stages)
     tmp = root / (TMP_PREFIX + tag_name(iteration))
     if tmp.is_dir():  # left by a crash mid-write: never complete, never loaded
@@ -444,7 +472,7 @@ def save_weights_only(
         "iteration": iteration,
         "consumed_samples": consumed_samples,
         "weights_only": optimizer is None,
-        "layout": {"tp": tp, "pp": pp},
+        "layout": {"tp": tp, "pp": pp, **_split_entry(stage_layers)},
     }
     if optimizer is not None:
         header["optimizer"] = "per_parameter"

@@ -195,21 +195,29 @@ def consolidate(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     return {k: v for k, v in merged.items() if torch.is_tensor(v)}, meta
 
 
-def shard(state: dict, tp: int, pp: int) -> list[list[dict]]:
+def shard(state: dict, tp: int, pp: int, stage_layers: tuple[int, ...] | None = None) -> list[list[dict]]:
     """The inverse of merge_shards for a GPT/ViT state: [pp_rank][tp_rank] rank-local state dicts
-    (layers split evenly over stages, the tied output copy on the last stage of a GPT when PP > 1;
-    non-tensor entries are replicated as they are)."""
+    (layers split over stages as `stage_layers` says, evenly by default; the tied output copy on the
+    last stage of a GPT when PP > 1; non-tensor entries are replicated as they are)."""
     num_layers = num_layers_of(state)
-    if num_layers % pp:
-        raise ConfigError(f"{num_layers} layers cannot be split evenly over PP={pp} stages")
-    per_stage = num_layers // pp
+    if stage_layers is None:
+        if num_layers % pp:
+            raise ConfigError(
+                f"{num_layers} layers cannot be split evenly over PP={pp} stages: give the split"
+            )
+        stage_layers = (num_layers // pp,) * pp
+    if len(stage_layers) != pp or sum(stage_layers) != num_layers or min(stage_layers) < 1:
+        raise ConfigError(
+            f"stage layers {list(stage_layers)} are not a split of {num_layers} layers over PP={pp}"
+        )
+    owner = [(stage, local) for stage, n in enumerate(stage_layers) for local in range(n)]
     stages = [[{} for _ in range(tp)] for _ in range(pp)]
     embedding_owner = {"embedding.", "patch_embedding.", "cls_token", "position_embeddings"}
     for name, tensor in state.items():
         match = _LAYER.match(name)
         if match:
-            layer = int(match.group(1))
-            targets = [(layer // per_stage, f"decoder.layers.{layer % per_stage}.{match.group(2)}")]
+            stage, local = owner[int(match.group(1))]
+            targets = [(stage, f"decoder.layers.{local}.{match.group(2)}")]
         elif any(name.startswith(p) for p in embedding_owner):
             targets = [(0, name)]
             if name == "embedding.word_embeddings.weight" and pp > 1:
@@ -246,19 +254,30 @@ def model_settings(meta: dict, given: ModelConfig | None, command: str) -> Model
     return given
 
 
-def check_reshard(m: ModelConfig, tp: int, pp: int) -> None:
-    """tp and pp must split the model's attention heads, MLP units and layers evenly."""
+def check_reshard(m: ModelConfig, tp: int, pp: int, stage_layers: tuple[int, ...] | None = None) -> None:
+    """tp must split the model's attention heads and MLP units evenly, and pp its layers (evenly, or
+    as `stage_layers` says)."""
     if tp < 1 or pp < 1:
         raise ConfigError(f"reshard: --tp {tp} --pp {pp}: both must be >= 1")
-    for what, size, ways, flag in (
+    if stage_layers is not None:
+        from megahet.policy.stage_split import format_split, parse_stage_layers
+
+        try:
+            parse_stage_layers(format_split(stage_layers), m.num_layers, pp)
+        except ValueError as err:
+            raise ConfigError(f"reshard: --stage-layers {err}") from None
+    checks = [
         ("attention heads", m.num_attention_heads, tp, "--tp"),
         ("MLP hidden units (ffn)", m.ffn_size, tp, "--tp"),
-        ("layers", m.num_layers, pp, "--pp"),
-    ):
+    ]
+    if stage_layers is None:
+        checks.append(("layers", m.num_layers, pp, "--pp"))
+    for what, size, ways, flag in checks:
         if size % ways:
             divisors = [d for d in range(1, size + 1) if size % d == 0]
             raise ConfigError(
                 f"reshard: {size} {what} cannot be split evenly over {flag} {ways}: choose {flag} from {divisors}"
+                + (" or give the layers per stage (--stage-layers)" if flag == "--pp" else "")
             )
 
 
@@ -312,17 +331,31 @@ def reshard(path: str | Path, out: str | Path, tp: int, pp: int, **options) -> t
 
 
 def _resharded(
-    state: dict, m: ModelConfig, src_tp: int, tp: int, pp: int, vocab: int | None
+    state: dict,
+    m: ModelConfig,
+    src_tp: int,
+    tp: int,
+    pp: int,
+    vocab: int | None,
+    split: tuple[int, ...] | None,
 ) -> list[list[dict]]:
     """An unsharded state (TP=1 PP=1 names) -> [pp_rank][tp_rank] state dicts, the GPT vocabulary
     re-padded for the new TP."""
     if WORD_EMBEDDING in state:  # GPT: the vocabulary is padded per TP size
         rows = resharded_vocab_rows(state[WORD_EMBEDDING].shape[0], m, src_tp, tp, vocab)
         state = {**state, WORD_EMBEDDING: repad_vocab(state[WORD_EMBEDDING], rows)}
-    return shard(state, tp, pp)
+    return shard(state, tp, pp, split)
 
 
-def _optimizer_stages(folder: Path, src: dict, m: ModelConfig, tp: int, pp: int, vocab: int | None):
+def _optimizer_stages(
+    folder: Path,
+    src: dict,
+    m: ModelConfig,
+    tp: int,
+    pp: int,
+    vocab: int | None,
+    split: tuple[int, ...] | None,
+):
     """The ZeRO optimizer state at TP=tp x PP=pp: [pp_rank][tp_rank] -> {key: {name: tensor}, "step", "lr",
     "lr_scheduler", "global_steps"}."""
     from megahet.checkpointing.optimizer_state import TENSOR_KEYS, read_zero_state
@@ -339,7 +372,7 @@ def _optimizer_stages(folder: Path, src: dict, m: ModelConfig, tp: int, pp: int,
     out = [[dict(shared) for _ in range(tp)] for _ in range(pp)]
     for key in TENSOR_KEYS:
         merged = merge_shards([[rank[key] for rank in stage] for stage in per_rank])
-        for p, stage in enumerate(_resharded(merged, m, src_tp, tp, pp, vocab)):
+        for p, stage in enumerate(_resharded(merged, m, src_tp, tp, pp, vocab, split)):
             for t, tensors in enumerate(stage):
                 out[p][t][key] = tensors
     return out
@@ -355,12 +388,15 @@ def reshard_into(
     model: ModelConfig | None = None,
     vocab_size: int | None = None,
     optimizer: bool = False,
+    stage_layers: tuple[int, ...] | None = None,
 ) -> tuple[Path, dict, float]:
     """reshard() of the checkpoint `folder` (its megahet.json `meta`) into a new checkpoint folder
-    under `root` (published atomically beside any that are there; `root/latest` names it)."""
+    under `root` (published atomically beside any that are there; `root/latest` names it).
+    `stage_layers`: layers per new pipeline stage (default: even)."""
     t0 = time.perf_counter()
     m = model_settings(meta, model, "reshard")
-    check_reshard(m, tp, pp)
+    split = tuple(stage_layers) if stage_layers is not None and pp > 1 else None
+    check_reshard(m, tp, pp, split)
     state = merge_shards(read_stages(folder, meta))
     if num_layers_of(state) != m.num_layers:
         raise ConfigError(
@@ -369,7 +405,7 @@ def reshard_into(
         )
     src = meta["layout"]
     vocab = vocab_size if vocab_size is not None else meta.get("vocab_size")
-    stages = _resharded(state, m, src["tp"], tp, pp, vocab)
+    stages = _resharded(state, m, src["tp"], tp, pp, vocab, split)
     extra = {
         "model": dataclasses.asdict(m),
         "resharded_from": {"path": str(folder.resolve()), "layout": src},
@@ -380,7 +416,7 @@ def reshard_into(
     if optimizer:
         if meta.get("weights_only"):
             raise ConfigError(f"reshard: {folder} is weights-only: it has no optimizer state to carry")
-        optimizer_states = _optimizer_stages(folder, src, m, tp, pp, vocab)
+        optimizer_states = _optimizer_stages(folder, src, m, tp, pp, vocab, split)
     checkpoint = save_weights_only(
         root,
         stages,
@@ -388,6 +424,7 @@ def reshard_into(
         consumed_samples=meta["consumed_samples"],
         meta=extra,
         optimizer=optimizer_states,
+        stage_layers=split,
         files={TOKENIZER: folder / TOKENIZER} if (folder / TOKENIZER).is_file() else None,
     )
     new_meta = json.loads((checkpoint / META).read_text())

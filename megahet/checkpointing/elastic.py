@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megahet.checkpointing.checkpoint import Resume, find_resume, layout_of, per_parameter
+from megahet.checkpointing.checkpoint import Resume, describe_layout, find_resume, layout_of, per_parameter
 from megahet.config import ConfigError, MegahetConfig
 from megahet.config_checks import validate
 
@@ -39,13 +39,18 @@ def needs_reshard(resume: Resume | None, cfg: MegahetConfig, world: int) -> bool
         return False
     saved, p = resume.meta["layout"], cfg.parallel
     if per_parameter(resume):
-        return (saved["tp"], saved["pp"]) != (p.tp, p.pp)
+        now = layout_of(cfg, 1)
+        return any(saved.get(k) != now.get(k) for k in ("tp", "pp", "stage_layers"))
     fits = world % (p.tp * p.pp) == 0
     return not fits or saved != layout_of(cfg, world // (p.tp * p.pp))
 
 
 def _with_layout(cfg: MegahetConfig, tp: int, pp: int) -> MegahetConfig:
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp, pp=pp))
+    """cfg at TP x PP; its layers per stage (parallel.stage_layers) only at its own PP (else even)."""
+    split = cfg.parallel.stage_layers if pp == cfg.parallel.pp else None
+    return dataclasses.replace(
+        cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp, pp=pp, stage_layers=split)
+    )
 
 
 def _fits(cfg: MegahetConfig, tp: int, pp: int, world: int) -> bool:
@@ -90,7 +95,7 @@ def plan_resume(
     if not reshard and own:
         return cfg, None, False
     saved = resume.meta["layout"]
-    old = f"TP {saved['tp']} x PP {saved['pp']}" + (f" x DP {saved['dp']}" if "dp" in saved else "")
+    old = describe_layout(saved) + (f" x DP {saved['dp']}" if "dp" in saved else "")
     why = "" if own else f" (TP {cfg.parallel.tp} x PP {cfg.parallel.pp} does not fit {world} ranks)"
     what = "resharding it with its optimizer state" if reshard else "as it was saved"
     note = (
@@ -104,13 +109,16 @@ def reshard_checkpoint(cfg: MegahetConfig, resume: Resume, rank: int) -> Resume:
     """Rank 0 writes the resharded checkpoint for cfg's TP x PP; every rank returns it (all ranks call
     this after the process groups start)."""
     from megahet.checkpointing.convert import reshard_into
+    from megahet.config_checks import stage_split
 
     p = cfg.parallel
     written = [None]
     if rank == 0:
         root = Path(cfg.train.save or cfg.train.load).expanduser()
         try:
-            folder, _, seconds = reshard_into(resume.path, resume.meta, root, p.tp, p.pp, optimizer=True)
+            folder, _, seconds = reshard_into(
+                resume.path, resume.meta, root, p.tp, p.pp, optimizer=True, stage_layers=stage_split(cfg)
+            )
             written = [(str(folder), seconds, None)]
         except ConfigError as err:
             written = [(None, 0.0, str(err))]

@@ -19,7 +19,9 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megahet.config import MegahetConfig
+from megahet.config_checks import stage_split
 from megahet.platform import cuda_available
+from megahet.policy.stage_split import megatron_layout
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -38,7 +40,8 @@ def has_fused_softmax_kernel() -> bool:
 
 
 def transformer_config(cfg: MegahetConfig) -> TransformerConfig:
-    """megatron-core's TransformerConfig for this run: fused CUDA kernels only where CUDA exists.
+    """megatron-core's TransformerConfig for this run: fused CUDA kernels only where CUDA exists, and
+    uneven pipeline stages (parallel.stage_layers) as a `pipeline_model_parallel_layout`.
 
     GPT-2's tanh GELU on both paths: on CUDA, megatron-core fuses bias + GELU only for `F.gelu`, and
     its fused kernel (`fusions/fused_bias_gelu.bias_gelu`) *is* the tanh approximation; without
@@ -46,6 +49,7 @@ def transformer_config(cfg: MegahetConfig) -> TransformerConfig:
     without linear biases (model.add_bias_linear false) has no bias to fuse: it names the tanh GELU too.
     """
     m, p = cfg.model, cfg.parallel
+    split = stage_split(cfg)
     dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
     fused = cuda_available()
     fused_bias_gelu = fused and m.add_bias_linear  # megatron-core's bias-GELU kernel needs a bias
@@ -56,6 +60,8 @@ def transformer_config(cfg: MegahetConfig) -> TransformerConfig:
         ffn_hidden_size=m.ffn_size,
         tensor_model_parallel_size=p.tp,
         pipeline_model_parallel_size=p.pp,
+        # Uneven stages through megatron-core's own seam; an even split needs none.
+        pipeline_model_parallel_layout=megatron_layout(split) if len(set(split)) > 1 else None,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,

@@ -176,3 +176,49 @@ def test_3d_tp2_pp2_dp2_trains_and_replicas_agree(reference: dict, gpt_data: lis
         atol=0.0,
     )
     check_run("3d tp2 x pp2 x dp2", "3d", run, reference, replicas=2, loaded=True)
+
+
+# Uneven pipeline stages (parallel.stage_layers -> megatron-core's pipeline_model_parallel_layout): an
+# 8-layer GPT, so that PP=4 can be split unevenly too.
+EIGHT_LAYERS = ["--model.num_layers", "8"]
+# Declared speeds 1,0.5,1,1 over PP=4: stage 1 at half speed takes one layer (time 2); the last stage's
+# output layer (2hV = 2 x 64 x 1024 FLOPs per token) weighs 1.23 of this model's layers (8h^2 + 4h ffn +
+# 4sh), so it takes one too (time 2.23); stages 0 and 2 take 3 (time 3, the best any split reaches).
+# Without the output layer counted the planner would give 3,1,2,2.
+DECLARED_SPLIT = {0: 3, 1: 1, 2: 3, 3: 1}
+
+
+@pytest.fixture(scope="module")
+def reference8(gpt_data: list[str], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("reference8")
+    run = _train(tmp, 1, {"ref": ""}, _common(gpt_data, tmp) + EIGHT_LAYERS)["ref"]
+    run["init_file"] = tmp / "init.pt"
+    torch.save(run["init"][0], run["init_file"])
+    return run
+
+
+def test_uneven_stages_match_dp1(reference8: dict, gpt_data: list[str], tmp_path: Path):
+    """PP=2 x DP=2 split 3,5, PP=4 split 1,3,2,2 and PP=4 split from declared speeds (4 ranks, one launch)
+    follow the single-rank run as closely as the even PP=2 x DP=2 run does: same losses, grad norms and
+    final weights."""
+    runs = _train(
+        tmp_path,
+        4,
+        {
+            "pp2_3_5": "--parallel.pp 2 --parallel.stage_layers 3,5",
+            "pp4_1_3_2_2": "--parallel.pp 4 --parallel.stage_layers 1,3,2,2",
+            "pp4_declared": "--parallel.pp 4 --hetero.pp_split declared --hetero.speeds 1,0.5,1,1",
+        },
+        _common(gpt_data, tmp_path) + EIGHT_LAYERS,
+        init=reference8["init_file"],
+    )
+    check_run("uneven stages vs dp1", "pp2 3,5 x dp2", runs["pp2_3_5"], reference8, replicas=2, loaded=True)
+    assert set(runs["pp2_3_5"]["losses"]) == {(0, 1, 0), (1, 1, 0)}
+    check_run("uneven stages vs dp1", "pp4 1,3,2,2", runs["pp4_1_3_2_2"], reference8, replicas=1, loaded=True)
+    assert set(runs["pp4_1_3_2_2"]["losses"]) == {(0, 3, 0)}
+    assert runs["pp2_3_5"]["stage_layers"] == {0: 3, 1: 5}
+    assert runs["pp4_1_3_2_2"]["stage_layers"] == {0: 1, 1: 3, 2: 2, 3: 2}
+    check_run(
+        "uneven stages vs dp1", "pp4 declared", runs["pp4_declared"], reference8, replicas=1, loaded=True
+    )
+    assert runs["pp4_declared"]["stage_layers"] == DECLARED_SPLIT

@@ -61,17 +61,17 @@ def run_phase(args, overrides: list[str], tp: int, pp: int, reference: dict | No
         defaults=defaults() if defaults else None,
     )
     trainer = setup(cfg, full_batch_spec(module.SPEC))
-    layout, model, layers = trainer.layout, trainer.task.model, cfg.model.num_layers
+    layout, model = trainer.layout, trainer.task.model
     num_micro = cfg.train.global_batch_size // cfg.train.micro_batch_size
     batches = [next(trainer.task.train_data) for _ in range(num_micro)]
     if reference is not None and pp > 1:
-        load_full_state(model, reference, layers)
-    params = stage_tensors(model, layers, "data")
+        load_full_state(model, reference)
+    params = stage_tensors(model, "data")
 
     trainer.num_microbatches = num_micro  # the whole global batch on every DP replica
     trainer.task.train_data = iter(batches)
     outputs = trainer.forward_backward()
-    grads = stage_tensors(model, layers, "grad")
+    grads = stage_tensors(model, "grad")
 
     trainer.engine.eval()
     with torch.no_grad():

@@ -9,6 +9,7 @@ saved by an earlier TP=1 PP=1 run) are loaded into every stage / shard before th
 Rank 0 saves DIR/<run>.pt = {
     history: the logging rank's per-step records (loss, grad_norm, lr, val_loss at the end),
     losses: {(dp, pp, tp): [per-step loss]} of every last-stage rank,
+    stage_layers: {pp_rank: transformer layers the stage built},
     init, final: {dp_rank: {global name: full tensor}} (parameters before and after training)}.
 """
 
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core.transformer.transformer_layer import TransformerLayer
 from workerlib import gather_replicas, loading_spec, reset_model_parallel, stage_tensors
 
 import pretrain_gpt
@@ -37,15 +39,17 @@ def run(name: str, argv: list[str], out: Path, init: dict | None) -> None:
 
     ((task, initial),) = built
     layout = current_layout()
-    final = gather_replicas(stage_tensors(task.model, cfg.model.num_layers, "data"))
+    final = gather_replicas(stage_tensors(task.model, "data"))
     start = gather_replicas(initial)
     losses = [r["loss"] for r in history] if layout.is_last_stage else None
+    layers = sum(1 for m in task.model.modules() if isinstance(m, TransformerLayer))
     items = [None] * dist.get_world_size() if layout.rank == 0 else None
-    dist.gather_object((layout, losses, history), items, dst=0)
+    dist.gather_object((layout, losses, history, layers), items, dst=0)
     if layout.rank != 0:
         return
-    result = {"init": start, "final": final, "losses": {}, "history": None}
-    for where, item_losses, item_history in items:
+    result = {"init": start, "final": final, "losses": {}, "history": None, "stage_layers": {}}
+    for where, item_losses, item_history, item_layers in items:
+        result["stage_layers"][where.pp_rank] = item_layers
         if item_losses is not None:
             result["losses"][(where.dp_rank, where.pp_rank, where.tp_rank)] = item_losses
         if where.is_logging_rank:

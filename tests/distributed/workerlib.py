@@ -31,14 +31,20 @@ def reset_model_parallel() -> None:
         ps.destroy_model_parallel()
 
 
-def global_name(local: str, num_layers: int) -> str:
-    """Local (stage) parameter name -> name in the unsharded TP=1 PP=1 model."""
+def layer_offset(model: torch.nn.Module) -> int:
+    """The global index of the stage's first transformer layer (megatron-core numbers layers globally
+    from 1 in `layer_number`, whatever the split: even or a pipeline_model_parallel_layout)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    return next(m.layer_number for m in model.modules() if isinstance(m, TransformerLayer)) - 1
+
+
+def global_name(local: str, offset: int) -> str:
+    """Local (stage) parameter name -> name in the unsharded TP=1 PP=1 model (`offset`: layer_offset)."""
     match = _LAYER.match(local)
     if not match:
         return local
-    per_stage = num_layers // ps.get_pipeline_model_parallel_world_size()
-    layer = ps.get_pipeline_model_parallel_rank() * per_stage + int(match.group(1))
-    return f"decoder.layers.{layer}." + local[match.end() :]
+    return f"decoder.layers.{offset + int(match.group(1))}." + local[match.end() :]
 
 
 def is_tp_sharded(param: torch.Tensor) -> bool:
@@ -47,12 +53,12 @@ def is_tp_sharded(param: torch.Tensor) -> bool:
     )
 
 
-def stage_tensors(model: torch.nn.Module, num_layers: int, what: str = "data") -> dict[str, torch.Tensor]:
+def stage_tensors(model: torch.nn.Module, what: str = "data") -> dict[str, torch.Tensor]:
     """This stage's parameters (what="data") or gradients (what="grad"), TP-gathered, by global name.
 
     Collective over the TP group (every TP rank must call it with the same model structure).
     """
-    tp_size = ps.get_tensor_model_parallel_world_size()
+    tp_size, offset = ps.get_tensor_model_parallel_world_size(), layer_offset(model)
     out = {}
     for name, param in model.named_parameters():
         tensor = param.detach() if what == "data" else param.grad
@@ -63,7 +69,7 @@ def stage_tensors(model: torch.nn.Module, num_layers: int, what: str = "data") -
             parts = [torch.empty_like(tensor) for _ in range(tp_size)]
             dist.all_gather(parts, tensor, group=ps.get_tensor_model_parallel_group())
             tensor = torch.cat(parts, dim=param.partition_dim)
-        out[global_name(name, num_layers)] = tensor.clone()
+        out[global_name(name, offset)] = tensor.clone()
     return out
 
 
@@ -94,11 +100,12 @@ def gather_replicas(local: dict, root: int = 0) -> dict[int, dict[str, torch.Ten
 
 
 @torch.no_grad()
-def load_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor], num_layers: int) -> None:
+def load_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Copy an unsharded TP=1 PP=1 state (by global name) into this rank's stage / TP shard."""
     tp_size, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    offset = layer_offset(model)
     for name, param in model.named_parameters():
-        key = EMBEDDING if name == TIED_COPY else global_name(name, num_layers)
+        key = EMBEDDING if name == TIED_COPY else global_name(name, offset)
         full = state[key]
         if is_tp_sharded(param):
             full = torch.chunk(full, tp_size, dim=param.partition_dim)[tp_rank]
@@ -127,8 +134,8 @@ def loading_spec(spec: TaskSpec, state: dict[str, torch.Tensor] | None, keep: li
     def build(cfg, layout):
         task = spec.build(cfg, layout)
         if state is not None:
-            load_full_state(task.model, state, cfg.model.num_layers)
-        keep.append((task, stage_tensors(task.model, cfg.model.num_layers, "data")))
+            load_full_state(task.model, state)
+        keep.append((task, stage_tensors(task.model, "data")))
         return task
 
     return dataclasses.replace(spec, build=build)

@@ -25,9 +25,10 @@ time spent waiting for it), read once after the step: nothing synchronizes per r
 The balancer reads `layers_s`: the compute of the work a plan can move. A rank doing fewer units still
 runs the same embedding, output layer and loss; counting them would make it look slower per unit.
 
-`CommClock.before_collective` callbacks run just before every collective issued inside a region: a
-virtual device (megahet/runtime/devices.py) pays its emulated delay there, so its peers wait in that collective
-exactly as they do behind a really slow device.
+`CommClock.before_collective` callbacks run just before every collective issued inside a region (and at
+the end of every timed transformer layer): a virtual device (megahet/runtime/devices.py) pays its emulated
+delay there, so its peers wait in that collective exactly as they do behind a really slow device, and the
+delay of a layer's work is inside that layer's time (the pipeline balancer's per-layer time).
 """
 
 from __future__ import annotations
@@ -178,6 +179,8 @@ class CommClock:
 
     def close_layer(self) -> None:
         if self._layer_start is not None:
+            for pay in self.before_collective:  # a virtual device's delay for the layer's work stays in it
+                pay()
             self._layers.append((self._layer_start, self.stamps.now()))
             self._layer_start = None
 

@@ -122,6 +122,7 @@ def test_bad_splits_are_one_line_errors(text, needle):
         (["--parallel.pp", "2", "--hetero.pp_split", "declared"], "hetero.pp_split=declared needs hetero.speeds"),
         (["--hetero.pp_split", "measured"], "parallel.pp is 1: set parallel.pp >= 2"),
         (["--parallel.pp", "2", "--hetero.pp_split", "measured", "--hetero.pp_patience", "0"], "pp_patience"),
+        (["--parallel.pp", "2", "--hetero.pp_split", "measured"], "not available in this version"),
         (["--parallel.pp", "9"], "cannot give each of parallel.pp 9 stages one"),
     ],
 )  # fmt: skip
@@ -133,7 +134,18 @@ def test_bad_split_settings_are_one_line_errors(args, needle):
 
 def test_planned_splits_may_start_uneven():
     """With a planned split, 7 layers over 2 stages start as even as whole layers allow."""
-    cfg = load_config(["--model.num_layers", "7", "--parallel.pp", "2", "--hetero.pp_split", "measured"])
+    cfg = load_config(
+        [
+            "--model.num_layers",
+            "7",
+            "--parallel.pp",
+            "2",
+            "--hetero.pp_split",
+            "declared",
+            "--hetero.speeds",
+            "1,1",
+        ]
+    )
     validate(cfg, 2)
     assert stage_split(cfg) == (4, 3)
 

@@ -317,7 +317,10 @@ def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
     resume = checkpoint.find_resume(cfg)
     if resume is not None:
         checkpoint.check_model(resume, cfg, spec.vocab_size(cfg))
-    cfg = start_split(cfg, world, spec.vocab_size(cfg), resume)  # hetero.pp_split: the layers per stage
+    if cfg.hetero.pp_active:  # the layers per stage (hetero.pp_split) count the vocabulary: inputs first
+        validate(cfg, world)
+        spec.preflight(cfg)
+        cfg = start_split(cfg, world, spec.vocab_size(cfg), resume)
     cfg, layout_note, reshard = plan_resume(cfg, resume, world)  # TP x PP fitted to this world
     dp_size = validate(cfg, world)
     if cfg.train.precision == "bf16" and cuda_available() and not torch.cuda.is_bf16_supported():

@@ -198,13 +198,6 @@ def _split_entry(split) -> dict:
     return {"stage_layers": list(split)} if split is not None and len(set(split)) > 1 else {}
 
 
-def saved_split(layout: dict, num_layers: int) -> tuple[int, ...]:
-    """The layers per stage a checkpoint's layout records (even when it records none)."""
-    if "stage_layers" in layout:
-        return tuple(layout["stage_layers"])
-    return (num_layers // layout["pp"],) * layout["pp"]
-
-
 def describe_layout(layout: dict) -> str:
     split = f" (layers {','.join(map(str, layout['stage_layers']))})" if "stage_layers" in layout else ""
     return f"TP {layout['tp']} x PP {layout['pp']}{split}"

@@ -52,6 +52,7 @@ from megahet.checkpointing.checkpoint import (
 from megahet.checkpointing.hf_tokenizer import hf_tokenizer, save_hf_tokenizer
 from megahet.config import ConfigError, ModelConfig
 from megahet.models.gpt import padded_vocab_size
+from megahet.policy.stage_split import check_split
 
 TIED_COPY = "output_layer.weight"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
@@ -206,10 +207,12 @@ def shard(state: dict, tp: int, pp: int, stage_layers: tuple[int, ...] | None = 
                 f"{num_layers} layers cannot be split evenly over PP={pp} stages: give the split"
             )
         stage_layers = (num_layers // pp,) * pp
-    if len(stage_layers) != pp or sum(stage_layers) != num_layers or min(stage_layers) < 1:
+    try:
+        check_split(stage_layers, num_layers, pp)
+    except ValueError as err:
         raise ConfigError(
-            f"stage layers {list(stage_layers)} are not a split of {num_layers} layers over PP={pp}"
-        )
+            f"stage layers {list(stage_layers)} are not a split of {num_layers} layers over PP={pp}: {err}"
+        ) from None
     owner = [(stage, local) for stage, n in enumerate(stage_layers) for local in range(n)]
     stages = [[{} for _ in range(tp)] for _ in range(pp)]
     embedding_owner = {"embedding.", "patch_embedding.", "cls_token", "position_embeddings"}
@@ -260,10 +263,8 @@ def check_reshard(m: ModelConfig, tp: int, pp: int, stage_layers: tuple[int, ...
     if tp < 1 or pp < 1:
         raise ConfigError(f"reshard: --tp {tp} --pp {pp}: both must be >= 1")
     if stage_layers is not None:
-        from megahet.policy.stage_split import format_split, parse_stage_layers
-
         try:
-            parse_stage_layers(format_split(stage_layers), m.num_layers, pp)
+            check_split(stage_layers, m.num_layers, pp)
         except ValueError as err:
             raise ConfigError(f"reshard: --stage-layers {err}") from None
     checks = [

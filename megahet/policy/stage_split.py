@@ -29,23 +29,29 @@ from collections.abc import Sequence
 
 
 def parse_stage_layers(text: str, num_layers: int, pp: int) -> tuple[int, ...]:
-    """'L0,L1,...' -> layers per stage, checked: one count per stage, each >= 1, summing to num_layers.
-    Raises ValueError with a message naming the fix."""
+    """'L0,L1,...' -> layers per stage, checked by `check_split`. Raises ValueError naming the fix."""
     try:
         split = tuple(int(part) for part in str(text).replace(" ", "").split(","))
     except ValueError:
         raise ValueError(f"{text!r} is not comma-separated layer counts, one per stage (e.g. 3,5)") from None
+    check_split(split, num_layers, pp, shown=text)
+    return split
+
+
+def check_split(split: Sequence[int], num_layers: int, pp: int, shown: str | None = None) -> None:
+    """One count per stage, each >= 1, summing to num_layers; else ValueError naming the fix (`shown`:
+    how the user wrote the split)."""
+    shown = format_split(split) if shown is None else shown
     if len(split) != pp:
         raise ValueError(
-            f"{text!r} gives {len(split)} stage(s), parallel.pp is {pp}: give one count per stage"
+            f"{shown!r} gives {len(split)} stage(s), parallel.pp is {pp}: give one count per stage"
         )
     if min(split) < 1:
-        raise ValueError(f"{text!r} leaves a stage with no layers: every stage needs at least one")
+        raise ValueError(f"{shown!r} leaves a stage with no layers: every stage needs at least one")
     if sum(split) != num_layers:
         raise ValueError(
-            f"{text!r} sums to {sum(split)} layers, model.num_layers is {num_layers}: the counts must sum to it"
+            f"{shown!r} sums to {sum(split)} layers, model.num_layers is {num_layers}: the counts must sum to it"
         )
-    return split
 
 
 def even_split(num_layers: int, pp: int) -> tuple[int, ...]:

@@ -51,7 +51,8 @@ def declared_split(cfg: MegahetConfig, world_size: int, vocab_size: int | None) 
 
 
 def start_split(cfg: MegahetConfig, world_size: int, vocab_size: int | None, resume=None) -> MegahetConfig:
-    """cfg with the split this run starts from in parallel.stage_layers (see the module docstring)."""
+    """cfg (validated: config_checks.validate) with the split this run starts from in
+    parallel.stage_layers (see the module docstring)."""
     h, p = cfg.hetero, cfg.parallel
     if not h.pp_active or p.pp < 2:
         return cfg
@@ -65,9 +66,6 @@ def start_split(cfg: MegahetConfig, world_size: int, vocab_size: int | None, res
         if (saved["tp"], saved["pp"]) == (p.tp, p.pp) and "stage_layers" in saved:
             return _with_split(cfg, saved["stage_layers"])
     if h.speeds and not p.stage_layers:
-        from megahet.config_checks import validate
-
-        validate(cfg, world_size)  # the speeds and the layout first, one line each
         try:
             return _with_split(cfg, declared_split(cfg, world_size, vocab_size))
         except ValueError as err:

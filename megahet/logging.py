@@ -2,7 +2,8 @@
 
 Role: runtime (reporting). The console line carries what a person reads at a glance: step, loss, lr,
 grad norm, throughput, step time, the per-TP-rank plan (speed, gamma, moved) and the balancer's
-efficiency E, the data-parallel shares (each replica's speed and micro-batches), and evaluation results. Every metric (per-rank compute and wait spreads, hook time,
+efficiency E, the data-parallel shares (each replica's speed and micro-batches), the pipeline stages (each stage's
+speed per layer and layers), and evaluation results. Every metric (per-rank compute and wait spreads, hook time,
 estimated speeds, plan changes, block FLOPs, migration traffic, virtual-device charges) goes to W&B,
 TensorBoard and the metrics file.
 
@@ -35,25 +36,28 @@ _CONSOLE_FORMAT = {
     "step_time_s": "step {:.3f} s",
     "balance_eff": "E {:.3f}",
 }
-# The plans, one value per TP rank (speed_tp0, ...) or per DP replica (speed_dp0, share_dp0, ...)
-_PER_RANK = re.compile(r"^(speed|gamma|moved|share)_(tp|dp)\d+$")
+# The plans, one value per TP rank (speed_tp0, ...), per DP replica (speed_dp0, share_dp0, ...) or per
+# pipeline stage (speed_pp0, layers_pp0, ...)
+_PER_RANK = re.compile(r"^(speed|gamma|moved|share|layers)_(tp|dp|pp)\d+$")
+_COUNTS = ("share", "layers")
 _EVALUATION = ("val_", "test_")
 
 
 def format_console_line(step: int, total: int, metrics: dict[str, float]) -> str:
     """One line; per-rank plan metrics print as one field: speed_tp0, speed_tp1, ... as 'speed v0 v1',
-    speed_dp0, ... as 'dp speed v0 v1', share_dp0, ... (micro-batches) as 'dp share n0 n1'."""
+    speed_dp0, ... as 'dp speed v0 v1', share_dp0, ... (micro-batches) as 'dp share n0 n1', speed_pp0 and
+    layers_pp0, ... as 'pp speed v0 v1' and 'pp layers n0 n1'."""
     parts, per_rank = [f"step {step:>6}/{total}"], {}
     for key, value in metrics.items():
         match = _PER_RANK.match(key)
         if key not in _CONSOLE_FORMAT and not key.startswith(_EVALUATION) and not match:
             continue
         if match:
-            field = match[1] if match[2] == "tp" else f"dp {match[1]}"
+            field = match[1] if match[2] == "tp" else f"{match[2]} {match[1]}"
             if field not in per_rank:
                 per_rank[field] = len(parts)
                 parts.append(field)
-            parts[per_rank[field]] += f" {value:.0f}" if match[1] == "share" else f" {value:.2f}"
+            parts[per_rank[field]] += f" {value:.0f}" if match[1] in _COUNTS else f" {value:.2f}"
         else:
             parts.append(_CONSOLE_FORMAT.get(key, key + " {:.4g}").format(value))
     return " | ".join(parts)

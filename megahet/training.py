@@ -144,6 +144,18 @@ class Trainer:
         """Wall time of this step spent in the step hooks (balancer, resizer, virtual device)."""
         self.start_iteration, self.start_sample = 0, 0
         """Where this run started (a resumed checkpoint's iteration and consumed samples)."""
+        self.pending_split: tuple[int, ...] | None = None
+        """Layers per pipeline stage a hook asked for (`request_split`): training stops after the step
+        and `pretrain()` re-splits (megahet/runtime/resplit.py)."""
+        self.last_saved = -1
+        """The step of this trainer's last checkpoint in train.save."""
+        self.user_ds: dict[str, Any] = {}
+        """The user's DeepSpeed JSON (train.deepspeed_config), for a rebuild."""
+
+    def request_split(self, split: tuple[int, ...]) -> None:
+        """Stop training after this step so that the stages are re-split to `split` (every rank asks for
+        the same split at the same step: the pipeline balancer decides on numbers gathered over all)."""
+        self.pending_split = tuple(split)
 
     def set_shares(self, shares: tuple[int, ...]) -> None:
         """Give replica r shares[r] micro-batches of every global batch from the next step on: this
@@ -245,14 +257,16 @@ class Trainer:
         return self.task.eval_summary(dict(zip(keys, sums.tolist())))
 
     def train(self) -> list[dict[str, float]]:
-        """Run train_iters steps with logging and evaluation; returns the per-step records."""
+        """Run train_iters steps with logging and evaluation; returns the per-step records. Returns early,
+        after the step, when a re-split is asked for (`pending_split`)."""
         t = self.cfg.train
         history, window = [], []
-        while self.iteration < t.train_iters:
+        while self.iteration < t.train_iters and self.pending_split is None:
             record = self.train_step()
             history.append(record)
             window.append(record)
-            if self.iteration % t.log_interval == 0 or self.iteration == t.train_iters:
+            last = self.iteration == t.train_iters or self.pending_split is not None
+            if self.iteration % t.log_interval == 0 or last:
                 self.logger.log(self.iteration, self._interval_metrics(window))
                 window = []
             if self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters:
@@ -269,6 +283,7 @@ class Trainer:
     def save(self) -> None:
         """Save a checkpoint of this step into train.save (every rank calls it)."""
         path, seconds = checkpoint.save(self)
+        self.last_saved = self.iteration
         self.logger.print(f"megahet: saved checkpoint {path} (step {self.iteration}) in {seconds:.2f} s")
 
     def _interval_metrics(self, window: list[dict[str, float]]) -> dict[str, float]:
@@ -341,9 +356,24 @@ def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
     if layout.rank == 0:
         spec.prepare(cfg)
     dist.barrier()
+    return build_trainer(cfg, spec, layout, user_ds, resume)
+
+
+def build_trainer(
+    cfg: MegahetConfig,
+    spec: TaskSpec,
+    layout: ParallelLayout,
+    user_ds: dict[str, Any],
+    resume: checkpoint.Resume | None,
+    logger: TrainingLogger | None = None,
+    resplits: int = 0,
+) -> Trainer:
+    """Build the task, engine, logger and step hooks on the started process groups and load `resume`
+    (setup(); a re-split builds again with the new layers per stage, the same logger and its count of
+    re-splits)."""
     task = spec.build(cfg, layout)
     engine = build_engine(cfg, task.model, layout.dp_size, user_ds)
-    logger = TrainingLogger(cfg, layout, run_name=spec.name)
+    logger = logger or TrainingLogger(cfg, layout, run_name=spec.name)
     split = (
         f" (layers {cfg.parallel.stage_layers})" if cfg.parallel.stage_layers and layout.pp_size > 1 else ""
     )
@@ -374,26 +404,35 @@ def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
         attach_virtual_device(task.model, device, CommClock.install())
         hooks.append(DeviceStepHook(device))
     trainer = Trainer(cfg, task, engine, layout, logger, hooks)
+    trainer.user_ds = user_ds
+    pipeline = cfg.hetero.pp_active and layout.pp_size > 1
+    if cfg.balance.active or pipeline:  # the balancers read the transformer layers' own compute
+        time_layers(task.model, trainer.clock)
     if cfg.balance.active:
         from megahet.runtime.balancer import BalanceController
 
         # First: it plans at the start of a step, before the ResizeController executes the plan.
-        time_layers(task.model, trainer.clock)
         balancer = BalanceController(cfg, layout, resizer, lambda: trainer.times, lambda: trainer.step_t0)
         trainer.step_hooks.insert(0, balancer)
-    _start_heterogeneous(cfg, trainer, balancer if cfg.balance.active else None)
+    coords = _start_heterogeneous(cfg, trainer, balancer if cfg.balance.active else None)
+    if pipeline:
+        _start_pipeline(cfg, trainer, coords, resplits)
     if resume is not None:
-        seconds = checkpoint.load(trainer, resume)
+        seconds = checkpoint.load(trainer, resume, resplit=resplits > 0)
         logger.print(f"megahet: resumed from {resume.path} (step {trainer.iteration}) in {seconds:.2f} s")
+    for hook in trainer.step_hooks:  # traces go on from the loaded step (rows before it are kept)
+        if getattr(hook, "trace", None) is not None:
+            hook.trace.resume_from = trainer.iteration
     return trainer
 
 
-def _start_heterogeneous(cfg: MegahetConfig, trainer: Trainer, balancer) -> None:
+def _start_heterogeneous(cfg: MegahetConfig, trainer: Trainer, balancer) -> list | None:
     """Declared speeds (hetero.speeds) set the data-parallel shares and the TP plan from step 0; uneven
-    shares add the data-parallel balancer (first: it re-plans before a step's data is read)."""
+    shares add the data-parallel balancer (first: it re-plans before a step's data is read). Returns
+    every rank's (dp, pp, tp) when the run is heterogeneous (hetero.*), else None."""
     h, layout = cfg.hetero, trainer.layout
-    if not (h.speeds or h.active):
-        return
+    if not (h.speeds or h.active or h.pp_active):
+        return None
     from megahet.config_checks import ranks_per_node
     from megahet.policy.declared_speeds import parse_declared_speeds
     from megahet.policy.dp_shares import dp_shares, replica_speeds
@@ -427,18 +466,50 @@ def _start_heterogeneous(cfg: MegahetConfig, trainer: Trainer, balancer) -> None
             lambda: trainer.step_t0,
         )
         trainer.step_hooks.insert(0, dp_balancer)
+    return coords
+
+
+def _start_pipeline(cfg: MegahetConfig, trainer: Trainer, coords: list, resplits: int) -> None:
+    """The pipeline balancer: measures every stage's time per layer, and with hetero.pp_split=measured
+    asks the Trainer for a re-split (megahet/runtime/pp_balancer.py)."""
+    from megahet.config_checks import stage_split
+    from megahet.runtime.pp_balancer import PipelineBalancer
+
+    pp = PipelineBalancer(
+        cfg,
+        trainer.layout,
+        stage_split(cfg),
+        trainer.request_split,
+        lambda: trainer.times,
+        lambda: trainer.num_microbatches,
+        coords,
+        lambda: trainer.step_t0,
+        resplits,
+    )
+    trainer.step_hooks.insert(0, pp)
 
 
 def pretrain(cfg: MegahetConfig, spec: TaskSpec) -> list[dict[str, Any]]:
-    """setup(), then train with periodic logging and evaluation; returns the per-step records."""
+    """setup(), then train with periodic logging and evaluation; returns the per-step records. When the
+    pipeline balancer asks for other layers per stage, the stages are re-split (checkpoint -> reshard with
+    the optimizer state -> rebuild, megahet/runtime/resplit.py) and training goes on."""
+    from megahet.runtime.resplit import resplit
+
     trainer = setup(cfg, spec)
-    logger = trainer.logger
+    logger, start = trainer.logger, trainer.start_iteration
     t0 = time.perf_counter()
     history = trainer.train()
+    while trainer.pending_split is not None and trainer.iteration < trainer.cfg.train.train_iters:
+
+        def rebuild(new_cfg: MegahetConfig, resume: checkpoint.Resume, resplits: int, old=trainer) -> Trainer:
+            return build_trainer(new_cfg, spec, old.layout, old.user_ds, resume, old.logger, resplits)
+
+        trainer = resplit(trainer, rebuild)
+        history += trainer.train()
     for hook in trainer.step_hooks:
         hook.close()
     logger.print(
-        f"megahet {spec.name}: {trainer.iteration - trainer.start_iteration} steps in {time.perf_counter() - t0:.1f} s"
+        f"megahet {spec.name}: {trainer.iteration - start} steps in {time.perf_counter() - t0:.1f} s"
     )
     logger.close()
     return history

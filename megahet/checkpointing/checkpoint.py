@@ -472,9 +472,10 @@ def save_weights_only(
     return _publish(tmp, {**header, **meta})
 
 
-def load(trainer, resume: Resume) -> float:
+def load(trainer, resume: Resume, resplit: bool = False) -> float:
     """Restore model, optimizer shards, LR schedule, RNG streams, data position and hook state; seconds.
-    From a weights-only checkpoint: the weights, the step and the data position only."""
+    From a weights-only checkpoint: the weights, the step and the data position only. `resplit`: the
+    stages were re-split in this process, which carries the RNG streams over itself."""
     t0 = time.perf_counter()
     engine = trainer.engine
     weights_only = bool(resume.meta.get("weights_only"))
@@ -498,7 +499,7 @@ def load(trainer, resume: Resume) -> float:
         )
         return time.perf_counter() - t0
     if per_parameter(resume):
-        _load_per_parameter(trainer, resume)
+        _load_per_parameter(trainer, resume, resplit)
         return time.perf_counter() - t0
     mine = load_checkpoint_file(resume.path / rank_file(trainer.layout.rank))
     set_rng_states(mine["rng"])
@@ -513,9 +514,10 @@ def load(trainer, resume: Resume) -> float:
     return time.perf_counter() - t0
 
 
-def _load_per_parameter(trainer, resume: Resume) -> None:
+def _load_per_parameter(trainer, resume: Resume, resplit: bool = False) -> None:
     """A resharded checkpoint: this TP x PP rank's fp32 masters, Adam moments and step, and the LR
-    schedule; RNG streams and step hooks (whose state belongs to the old layout) start fresh."""
+    schedule; RNG streams and step hooks (whose state belongs to the old layout) start fresh, but for
+    what a re-split carries over in memory (megahet/runtime/resplit.py)."""
     from megahet.checkpointing.optimizer_state import load_into_engine
 
     layout, engine = trainer.layout, trainer.engine
@@ -527,8 +529,12 @@ def _load_per_parameter(trainer, resume: Resume) -> None:
         engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
     if saved.get("global_steps") is not None:
         engine.global_steps = saved["global_steps"]
+    fresh = (
+        "RNG streams and the balancers' state carry over (megahet/runtime/resplit.py)"
+        if resplit
+        else "RNG streams and step-hook state (the balancer's) start fresh"
+    )
     trainer.logger.print(
         f"megahet: {resume.path} was resharded from {resume.meta['resharded_from']['layout']}: loaded the weights, "
-        f"the optimizer state (fp32 masters, Adam moments, step {saved['step']}) and the LR schedule; RNG "
-        f"streams and step-hook state (the balancer's) start fresh"
+        f"the optimizer state (fp32 masters, Adam moments, step {saved['step']}) and the LR schedule; {fresh}"
     )

@@ -209,3 +209,24 @@ def stage_speeds(
     if any(math.isinf(v) for v in speeds):
         raise ValueError(f"no rank speeds for stage(s) {[s for s, v in enumerate(speeds) if math.isinf(v)]}")
     return speeds
+
+
+def measured_stage_times(
+    per_rank: dict[tuple[int, int, int], tuple[float, float]], pp: int, healthy_gap: float = 0.0
+) -> tuple[list[float], list[float]]:
+    """(layer_s, extra_s) per stage from every rank's measured ((dp, pp, tp) -> (seconds per layer and
+    micro-batch, other compute seconds per micro-batch)): a stage is as slow as its slowest rank (its TP
+    group waits for it, and one split serves every replica). Per-layer times within `healthy_gap` of the
+    slowest stage's count as equal (their mean): measurement noise moves no layer, and what is left to
+    balance is the embedding and output layer where they sit."""
+    layer_s, extra_s = [0.0] * pp, [0.0] * pp
+    for (_dp, stage, _tp), (layer, extra) in per_rank.items():
+        layer_s[stage] = max(layer_s[stage], layer)
+        extra_s[stage] = max(extra_s[stage], extra)
+    if min(layer_s) <= 0:
+        raise ValueError(
+            f"no layer time measured for stage(s) {[s for s, a in enumerate(layer_s) if a <= 0]}"
+        )
+    if min(layer_s) >= (1 - healthy_gap) * max(layer_s):
+        layer_s = [sum(layer_s) / pp] * pp
+    return layer_s, extra_s

@@ -66,6 +66,7 @@ def trace_path(path: str, pp_rank: int, pp_size: int) -> Path:
 
 class BalanceController(MeasuringHook):
     checkpointed = True
+    split_free = True  # per-rank speeds and work fractions: a re-split keeps them (carry)
     settings_free = ("trace",)
     """Settings a resumed run may change and keep this state (checkpoint.py compares the rest)."""
 
@@ -182,6 +183,11 @@ class BalanceController(MeasuringHook):
         if self.trace is not None:
             self.trace.resume_from = self.step + 1
 
+    def carry(self, state: dict) -> None:
+        """A re-split rebuilt the stage: its new blocks get the carried work fractions at the next step."""
+        self.load_state_dict(state)
+        self.resize.set_targets(self.targets)
+
     def _speeds(self, dp: int) -> list[float] | None:
         estimator = self.estimators[dp]
         return estimator.speeds() if estimator.ready else None
@@ -231,12 +237,8 @@ class BalanceController(MeasuringHook):
         self._efficiency = []
         return out
 
-    def close(self) -> None:
-        """Close the trace and draw it (tools/plot_balance.py draws it again)."""
-        self._collect()
-        written = self.trace.close() if self.trace is not None else None
-        self.trace = None  # closed: no more rows
-        if written is not None:
-            from megahet.runtime.trace_plot import plot_trace
+    def _plot(self, written: Path) -> None:
+        """tools/plot_balance.py draws it again."""
+        from megahet.runtime.trace_plot import plot_trace
 
-            plot_trace(written, written.with_suffix(".png"))
+        plot_trace(written, written.with_suffix(".png"))

@@ -169,6 +169,11 @@ class VirtualDevice:
         clock.before_collective.append(self.pay)
         clock.sync_host = cuda_available()
 
+    def detach(self) -> None:
+        """Stop paying in the clock's regions (its model was rebuilt: a re-split attaches a new device)."""
+        if self.clock is not None and self.pay in self.clock.before_collective:
+            self.clock.before_collective.remove(self.pay)
+
     def set_step(self, step: int) -> None:
         self.step, self.charge_s, self.overrun_s = step, 0.0, 0.0
 
@@ -220,6 +225,9 @@ class DeviceStepHook(StepHook):
 
     def before_forward_backward(self, step: int) -> None:
         self.device.set_step(step)
+
+    def close(self, final: bool = True) -> None:
+        self.device.detach()
 
     def metrics(self) -> dict[str, float]:
         d = self.device

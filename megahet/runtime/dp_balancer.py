@@ -57,6 +57,7 @@ def dp_trace_path(path: str) -> Path:
 
 class DataParallelBalancer(MeasuringHook):
     checkpointed = True
+    split_free = True  # shares and replica speeds: a re-split keeps them
 
     def __init__(
         self,
@@ -171,12 +172,7 @@ class DataParallelBalancer(MeasuringHook):
         if self.trace is not None:
             self.trace.resume_from = self.step + 1
 
-    def close(self) -> None:
-        """Close the trace and draw it."""
-        self._collect()
-        written = self.trace.close() if self.trace is not None else None
-        self.trace = None
-        if written is not None:
-            from megahet.runtime.trace_plot import plot_dp_trace
+    def _plot(self, written: Path) -> None:
+        from megahet.runtime.trace_plot import plot_dp_trace
 
-            plot_dp_trace(written, written.with_suffix(".png"))
+        plot_dp_trace(written, written.with_suffix(".png"))

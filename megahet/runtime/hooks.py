@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +33,9 @@ class StepHook:
     """The settings dataclass the hook's state belongs to (compared on resume), or None."""
     settings_free: tuple[str, ...] = ()
     """Settings in `cfg` that do not shape the state (a changed one keeps the saved state)."""
+    split_free: bool = False
+    """Whether the state does not depend on the layers per pipeline stage: a re-split then carries it to
+    the rebuilt Trainer's hook of the same type (megahet/runtime/resplit.py)."""
 
     def before_forward_backward(self, step: int) -> None:
         """Before the schedule runs step `step` (0-based): apply a new plan here."""
@@ -57,14 +61,20 @@ class StepHook:
         """Entered around an evaluation pass."""
         return contextlib.nullcontext()
 
-    def close(self) -> None:
-        """At the end of training."""
+    def close(self, final: bool = True) -> None:
+        """At the end of training; `final=False`: a re-split rebuilt the Trainer, whose hooks go on
+        (close files, draw nothing)."""
 
     def state_dict(self) -> dict:
         raise NotImplementedError(f"{type(self).__name__} is not checkpointed")
 
     def load_state_dict(self, state: dict) -> None:
         raise NotImplementedError(f"{type(self).__name__} is not checkpointed")
+
+    def carry(self, state: dict) -> None:
+        """Take the `state_dict()` of the replaced Trainer's hook of this type (a re-split rebuilt the
+        stages; only `split_free` hooks are carried)."""
+        self.load_state_dict(state)
 
 
 class MeasuringHook(StepHook):
@@ -81,6 +91,24 @@ class MeasuringHook(StepHook):
         rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         handle = dist.all_gather(rows, mine, group=group, async_op=True)
         self._pending = (handle, rows, self.step, time.perf_counter() - self.step_start())
+
+    trace = None
+    """A TraceWriter (global rank 0 with --balance.trace), or None."""
+
+    def _collect(self) -> None:
+        """Fold the last step's gathered rows in (`_take`)."""
+        raise NotImplementedError
+
+    def _plot(self, written: Path) -> None:
+        """Draw the closed trace (written) beside it."""
+
+    def close(self, final: bool = True) -> None:
+        """Fold the last step in, close the trace and, when final, draw it."""
+        self._collect()
+        written = self.trace.close() if self.trace is not None else None
+        self.trace = None
+        if written is not None and final:
+            self._plot(written)
 
     def _take(self) -> tuple[list[torch.Tensor], int, float] | None:
         """The last step's gathered rows, its step and its seconds (waited for), or None."""

@@ -9,7 +9,9 @@ time in black; the plan as each rank's work in units of its own shard (1 - dropp
 dropped units dashed); the estimated speed, with the step's compute efficiency in black.
 
 A data-parallel trace (run_dp.jsonl, written with hetero.dp_shares) draws as three panels too
-(`plot_dp_trace`): the step time, each replica's estimated speed, and its share of the global batch.
+(`plot_dp_trace`): the step time, each replica's estimated speed, and its share of the global batch;
+a pipeline trace (run_pp.jsonl, hetero.pp_split) likewise (`plot_pp_trace`): each stage's measured speed
+per layer and its layers.
 """
 
 from __future__ import annotations
@@ -86,27 +88,47 @@ def plot_trace(trace: str | Path, png: str | Path, dp: int = 0, title: str | Non
 
 def plot_dp_trace(trace: str | Path, png: str | Path, title: str | None = None) -> Path:
     """Step time, each replica's estimated speed and its share (micro-batches of the global batch)."""
+    return _plot_groups(
+        trace, png, title or f"{Path(trace).name}: data-parallel shares",
+        ("shares", "replica_speed", "DP {}"), ("estimated replica speed", "micro-batches per step"),
+    )  # fmt: skip
+
+
+def plot_pp_trace(trace: str | Path, png: str | Path, title: str | None = None) -> Path:
+    """Step time, each pipeline stage's measured speed per layer and its layers (re-splits as steps)."""
+    return _plot_groups(
+        trace, png, title or f"{Path(trace).name}: pipeline stages",
+        ("split", "stage_speed", "stage {}"), ("measured speed per layer", "transformer layers"),
+    )  # fmt: skip
+
+
+def _plot_groups(trace, png, title: str, keys: tuple[str, str, str], ylabels: tuple[str, str]) -> Path:
+    """Three panels over the steps: the step time; per group (replica, stage) its speed (`keys[1]`) and
+    what it holds (`keys[0]`: micro-batches, layers), labelled `keys[2]`.format(group)."""
     plt = _pyplot()
     rows = read_trace(trace)
+    held, speed, label = keys
     steps = [r["step"] for r in rows]
-    fig, (ax_time, ax_speed, ax_share) = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+    fig, (ax_time, ax_speed, ax_held) = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
     colors = plt.get_cmap("tab10")
     ax_time.plot(steps, [r["step_s"] for r in rows], color="black", label="step")
-    for dp in range(len(rows[0]["shares"])):
-        color = colors(dp % 10)
-        speeds = [r["replica_speed"][dp] if r["replica_speed"] else float("nan") for r in rows]
-        ax_speed.plot(steps, speeds, color=color, label=f"DP {dp}")
-        ax_share.step(steps, [r["shares"][dp] for r in rows], where="post", color=color, label=f"DP {dp}")
+    for group in range(len(rows[0][held])):
+        color = colors(group % 10)
+        speeds = [r[speed][group] if r[speed] else float("nan") for r in rows]
+        ax_speed.plot(steps, speeds, color=color, label=label.format(group))
+        ax_held.step(
+            steps, [r[held][group] for r in rows], where="post", color=color, label=label.format(group)
+        )
     ax_time.set_ylabel("seconds")
     ax_time.legend(fontsize=7)
-    ax_speed.set_ylabel("estimated replica speed")
+    ax_speed.set_ylabel(ylabels[0])
     ax_speed.set_ylim(0, 1.1)
     ax_speed.legend(fontsize=7, ncol=4)
-    ax_share.set_ylabel("micro-batches per step")
-    ax_share.set_ylim(bottom=0)
-    ax_share.legend(fontsize=7, ncol=4)
-    ax_share.set_xlabel("step")
-    ax_time.set_title(title or f"{Path(trace).name}: data-parallel shares")
+    ax_held.set_ylabel(ylabels[1])
+    ax_held.set_ylim(bottom=0)
+    ax_held.legend(fontsize=7, ncol=4)
+    ax_held.set_xlabel("step")
+    ax_time.set_title(title)
     png = _save(fig, png)
     plt.close(fig)
     return png

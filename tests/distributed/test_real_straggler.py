@@ -6,7 +6,10 @@ contention).
   work migrates to rank 0 within a few steps, and its compute falls (the step time is the benchmark's
   to measure: benchmarks/real_contention.py).
 - DP=2 with `--hetero.dp_shares measured`: the shares stay even while calm; after it, replica 1's
-  measured speed drops and it gets fewer of the 16 micro-batches of every global batch."""
+  measured speed drops and it gets fewer of the 16 micro-batches of every global batch.
+- PP=2 with `--hetero.pp_split measured` (rank 1 is stage 1): after it, stage 1's measured time per
+  layer doubles and the stages are re-split (checkpoint -> reshard -> rebuild, in the same processes)
+  so that it holds fewer of the 8 layers."""
 
 from __future__ import annotations
 
@@ -34,6 +37,15 @@ DP_SHARES = (
 )
 
 
+# PP: 8 layers of hidden 256; the output layer (vocabulary 8192) weighs ~2.5 of them by FLOPs, so the calm
+# stages may settle on 5,3 rather than 4,4 (the planner counts it): the test compares with the calm split.
+PP_SPLIT = (
+    "--parallel.pp 2 --model.num_layers 8 --model.hidden_size 256 --model.num_attention_heads 4 "
+    "--train.micro_batch_size 2 --train.global_batch_size 8 --hetero.pp_split measured --hetero.window 3 "
+    "--hetero.healthy_gap 0.2 --hetero.pp_patience 2"
+)
+
+
 @pytest.fixture(scope="module")
 def records(tmp_path_factory, gpt_data) -> tuple[list[dict], int]:
     return _contended_run(tmp_path_factory.mktemp("real_straggler"), gpt_data, TP_BALANCE)
@@ -42,6 +54,11 @@ def records(tmp_path_factory, gpt_data) -> tuple[list[dict], int]:
 @pytest.fixture(scope="module")
 def dp_records(tmp_path_factory, gpt_data) -> tuple[list[dict], int]:
     return _contended_run(tmp_path_factory.mktemp("real_straggler_dp"), gpt_data, DP_SHARES)
+
+
+@pytest.fixture(scope="module")
+def pp_records(tmp_path_factory, gpt_data) -> tuple[list[dict], int]:
+    return _contended_run(tmp_path_factory.mktemp("real_straggler_pp"), gpt_data, PP_SPLIT)
 
 
 def _contended_run(out, gpt_data, extra: str) -> tuple[list[dict], int]:
@@ -140,3 +157,16 @@ def test_contended_replica_gets_a_smaller_share_of_the_batch(dp_records):
     late = [by_step[s] for s in range(moved + 3, STEPS + 1)]
     assert statistics.median(r["speed_dp1"] for r in late) < 0.8
     assert all(r["share_dp1"] < 8 and r["share_dp0"] + r["share_dp1"] == 16 for r in late), late
+
+
+def test_contended_stage_gets_fewer_layers(pp_records):
+    rows, contended_from = pp_records
+    by_step = {r["step"]: r for r in rows}
+    calm = [by_step[s]["layers_pp1"] for s in (contended_from, contended_from - 1)]
+    assert calm[0] == calm[1] >= 2, calm  # settled, with a layer to give
+    moved = next(s for s in range(contended_from + 1, STEPS + 1) if by_step[s]["layers_pp1"] < calm[0])
+    # window 3 + patience 2: the slow samples must be the median, then asked for twice, then one step
+    assert moved <= contended_from + 8, (moved, contended_from)
+    late = [by_step[s] for s in range(moved, STEPS + 1)]
+    assert all(r["layers_pp1"] < calm[0] and r["layers_pp0"] + r["layers_pp1"] == 8 for r in late), late
+    assert statistics.median(r["speed_pp1"] for r in late) < 0.8

@@ -14,6 +14,7 @@ Run: python -m pytest tests/distributed/test_training.py -q   (about 2.5 minutes
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -222,3 +223,76 @@ def test_uneven_stages_match_dp1(reference8: dict, gpt_data: list[str], tmp_path
         "uneven stages vs dp1", "pp4 declared", runs["pp4_declared"], reference8, replicas=1, loaded=True
     )
     assert runs["pp4_declared"]["stage_layers"] == DECLARED_SPLIT
+
+
+# Re-splitting at run time (hetero.pp_split=measured): a virtual device (sleeps only: the numbers are the
+# real run's) makes one rank of stage 1 four times slower over steps SLOW_FROM..SLOW_UNTIL-1. With one
+# sample per decision (hetero.window 1) and pp_patience 2, the balancer asks for 7,1 (stage 1's one
+# layer takes 4, stage 0's seven take 7: the best any split reaches) at the start of step SLOW_FROM + 2;
+# that step runs, the stages are re-split (checkpoint -> reshard with the optimizer state -> rebuild) and
+# training goes on. Two steps after the recovery it asks for 4,4 again. healthy_gap 0.2: calm stages
+# measure within a few percent, and noise must move no layer.
+SLOW_FROM, SLOW_UNTIL = 2, 6
+RESPLIT = (
+    "--parallel.pp 2 --hetero.pp_split measured --hetero.window 1 --hetero.pp_patience 2 "
+    "--hetero.healthy_gap 0.2 --resize.enabled true --device.rate_gflops 0.5 "
+)
+
+
+def _trace(path: Path) -> list[dict]:
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(STEPS)), path  # one row per step, across re-splits
+    return rows
+
+
+def _splits(trace: Path) -> dict[int, tuple[int, ...]]:
+    return {r["step"]: tuple(r["split"]) for r in _trace(trace)}
+
+
+def test_resplit_at_run_time_keeps_the_loss_curve(reference8: dict, gpt_data: list[str], tmp_path: Path):
+    """Mid-run re-splits move layers with their optimizer state: the run follows the single-rank run
+    (losses, grad norms, final weights) while its layers move to the fast stage and back.
+    - PP=2 x DP=2: replica 1's copy of stage 1 is slow (one split serves both replicas); the stages go
+      4,4 -> 7,1 within 4 steps of the slowdown and back to 4,4 within 4 steps of the recovery;
+    - TP=2 x PP=2 with the TP balancer (migrate) inside every stage: TP rank 1 of stage 1 is slow to the
+      end; the stage keeps fewer layers, and the TP plan (per-rank work fractions) crosses the re-split:
+      the rebuilt stage runs balanced from its first step (measured 0.61 of stage 0's speed per layer;
+      0.27 if the TP balancer started again from even)."""
+    slow_replica = f"schedule:0=1,1,1,1;{SLOW_FROM}=1,1,1,0.25;{SLOW_UNTIL}=1,1,1,1"
+    runs = _train(
+        tmp_path,
+        4,
+        {
+            "pp2dp2": RESPLIT + f"--device.profile {slow_replica} --balance.trace {tmp_path}/pp2dp2.jsonl "
+            f"--logging.log_dir {tmp_path}/pp2dp2",
+            "tp2pp2": RESPLIT + f"--parallel.tp 2 --device.profile schedule:0=1,1,1,1;{SLOW_FROM}=1,1,1,0.25 "
+            f"--balance.mode migrate --balance.trace {tmp_path}/tp2pp2.jsonl --logging.log_dir {tmp_path}/tp2pp2",
+        },
+        _common(gpt_data, tmp_path) + EIGHT_LAYERS,
+        init=reference8["init_file"],
+    )
+    check_run("re-split vs dp1", "pp2 x dp2 re-split", runs["pp2dp2"], reference8, replicas=2, loaded=True)
+    splits = _splits(tmp_path / "pp2dp2_pp.jsonl")
+    moved = min(s for s, split in splits.items() if split != (4, 4))
+    back = min(s for s, split in splits.items() if s > moved and split == (4, 4))
+    assert splits[moved] == (7, 1) and SLOW_FROM < moved <= SLOW_FROM + 4, splits
+    assert SLOW_UNTIL < back <= SLOW_UNTIL + 4 and all(splits[s] == (4, 4) for s in range(back, STEPS)), (
+        splits
+    )
+    assert all(splits[s] == (4, 4) for s in range(moved)), splits
+    assert (tmp_path / "pp2dp2_pp.png").is_file()
+    assert runs["pp2dp2"]["stage_layers"] == {0: 4, 1: 4}
+    resplit = sorted((tmp_path / "pp2dp2" / "resplit").glob("iter_*"))  # the newest kept, the rest pruned
+    assert len(resplit) == 1 and json.loads((resplit[0] / "megahet.json").read_text())["iteration"] == back
+
+    check_run(
+        "re-split vs dp1", "tp2 x pp2 migrate re-split", runs["tp2pp2"], reference8, replicas=1, loaded=True
+    )
+    rows = _trace(tmp_path / "tp2pp2_pp.jsonl")
+    splits = {r["step"]: tuple(r["split"]) for r in rows}
+    assert splits[0] == (4, 4) and splits[STEPS - 1][1] < 4, splits
+    assert runs["tp2pp2"]["stage_layers"] == dict(enumerate(splits[STEPS - 1]))
+    moved = min(s for s, split in splits.items() if split != (4, 4))
+    assert rows[moved]["stage_speed"][1] > 0.45, rows[moved]
+    for stage in range(2):  # the TP balancer's traces go on across the re-splits too
+        _trace(tmp_path / f"tp2pp2_stage{stage}.jsonl")

@@ -9,7 +9,7 @@ saved by an earlier TP=1 PP=1 run) are loaded into every stage / shard before th
 Rank 0 saves DIR/<run>.pt = {
     history: the logging rank's per-step records (loss, grad_norm, lr, val_loss at the end),
     losses: {(dp, pp, tp): [per-step loss]} of every last-stage rank,
-    stage_layers: {pp_rank: transformer layers the stage built},
+    stage_layers: {pp_rank: transformer layers the stage built (the last build: after any re-split)},
     init, final: {dp_rank: {global name: full tensor}} (parameters before and after training)}.
 """
 
@@ -37,7 +37,7 @@ def run(name: str, argv: list[str], out: Path, init: dict | None) -> None:
     built: list = []
     history = pretrain(cfg, loading_spec(pretrain_gpt.SPEC, init, built))
 
-    ((task, initial),) = built
+    task, initial = built[-1][0], built[0][1]  # a re-split builds again: the last build trained on
     layout = current_layout()
     final = gather_replicas(stage_tensors(task.model, "data"))
     start = gather_replicas(initial)

@@ -122,7 +122,6 @@ def test_bad_splits_are_one_line_errors(text, needle):
         (["--parallel.pp", "2", "--hetero.pp_split", "declared"], "hetero.pp_split=declared needs hetero.speeds"),
         (["--hetero.pp_split", "measured"], "parallel.pp is 1: set parallel.pp >= 2"),
         (["--parallel.pp", "2", "--hetero.pp_split", "measured", "--hetero.pp_patience", "0"], "pp_patience"),
-        (["--parallel.pp", "2", "--hetero.pp_split", "measured"], "not available in this version"),
         (["--parallel.pp", "9"], "cannot give each of parallel.pp 9 stages one"),
     ],
 )  # fmt: skip

@@ -304,6 +304,49 @@ def merge_rerun(name: str, rows: list[dict], meta: dict, all_times: dict, warmup
     return merged, merged_meta, {p: all_times[p] for p in dict.fromkeys(r["profile"] for r in merged)}
 
 
+def run_profiles(
+    name: str, profiles: list, wanted: list[str] | None, bench, describe
+) -> tuple[list, list, dict, float]:
+    """Run `bench(profile)` -> (rows, step times) for each profile named in `wanted` (None: all), printing
+    `describe(profile)` and its table; (the profiles run, all rows, step times by profile, wall seconds)."""
+    chosen = [p for p in profiles if wanted is None or p.name in wanted]
+    if not chosen:
+        raise SystemExit(f"{name}: no profile named {wanted}: choose from {[p.name for p in profiles]}")
+    rows, all_times = [], {}
+    t0 = time.perf_counter()
+    for profile in chosen:
+        print(describe(profile), flush=True)
+        profile_rows, all_times[profile.name] = bench(profile)
+        rows += profile_rows
+        print(markdown_table(profile_rows, list(profile_rows[-1])), flush=True)
+    return chosen, rows, all_times, time.perf_counter() - t0
+
+
+def slow_phase_args(
+    doc: str, name: str, arrives: str, slow_steps: int, after: str, argv
+) -> argparse.Namespace:
+    """The options of a benchmark whose profiles slow something down for a phase (dp_efficiency,
+    pp_efficiency): profile_parser's, --slow-steps and --rate."""
+    parser = profile_parser(doc, name, f"homogeneous steps before {arrives}")
+    parser.add_argument(
+        "--slow-steps", type=int, default=slow_steps, help=f"steps slow, then {after} recovered"
+    )
+    parser.add_argument("--rate", type=float, default=3.0, help="GFLOP/s of a speed-1 device")
+    return parser.parse_args(argv)
+
+
+def slow_phase_meta(model: list[str], args: argparse.Namespace, chosen: list, wall: float) -> dict:
+    """The settings of a slow-phase benchmark's results (JSON meta)."""
+    return {
+        "model": " ".join(model),
+        "warmup": args.warmup,
+        "slow_steps": args.slow_steps,
+        "rate_gflops": args.rate,
+        "profiles": {p.name: p.spec(args.warmup, args.slow_steps) for p in chosen},
+        "wall_s": wall,
+    }
+
+
 def profile_parser(doc: str, name: str, warmup_help: str) -> argparse.ArgumentParser:
     """The efficiency benchmarks' common options: --profiles, --warmup, --name."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])

@@ -27,14 +27,19 @@ import dataclasses
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.balance_efficiency import profile_parser, reaction, write_results
-from benchmarks.common import RESULTS, markdown_table, torchrun
+from benchmarks.balance_efficiency import (
+    reaction,
+    run_profiles,
+    slow_phase_args,
+    slow_phase_meta,
+    write_results,
+)
+from benchmarks.common import RESULTS, torchrun
 from megahet.policy.dp_shares import dp_shares, step_time
 
 RUNS = RESULTS / "dp_efficiency_runs"
@@ -151,35 +156,16 @@ GOAL = 0.90
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = profile_parser(__doc__, "dp_efficiency", "homogeneous steps before the slow replicas")
-    parser.add_argument("--slow-steps", type=int, default=12, help="steps slow, then as many recovered")
-    parser.add_argument("--rate", type=float, default=3.0, help="GFLOP/s of a speed-1 device")
-    args = parser.parse_args(argv)
+    args = slow_phase_args(__doc__, "dp_efficiency", "the slow replicas", 12, "as many", argv)
     RUNS.mkdir(parents=True, exist_ok=True)
-    chosen = [p for p in PROFILES if args.profiles is None or p.name in args.profiles]
-    if not chosen:
-        raise SystemExit(
-            f"dp_efficiency: no profile named {args.profiles}: choose from {[p.name for p in PROFILES]}"
-        )
-    rows, all_times = [], {}
-    t0 = time.perf_counter()
-    for profile in chosen:
-        print(
-            f"{profile.name} (TP={profile.tp} x DP={len(profile.replicas)}, {profile.spec(args.warmup, args.slow_steps)})"
-        )
-        profile_rows, all_times[profile.name] = bench_profile(
-            profile, args.warmup, args.slow_steps, args.rate
-        )
-        rows += profile_rows
-        print(markdown_table(profile_rows, list(profile_rows[-1])), flush=True)
-    meta = {
-        "model": " ".join(MODEL),
-        "warmup": args.warmup,
-        "slow_steps": args.slow_steps,
-        "rate_gflops": args.rate,
-        "profiles": {p.name: p.spec(args.warmup, args.slow_steps) for p in chosen},
-        "wall_s": time.perf_counter() - t0,
-    }
+    chosen, rows, all_times, wall = run_profiles(
+        "dp_efficiency",
+        PROFILES,
+        args.profiles,
+        lambda p: bench_profile(p, args.warmup, args.slow_steps, args.rate),
+        lambda p: f"{p.name} (TP={p.tp} x DP={len(p.replicas)}, {p.spec(args.warmup, args.slow_steps)})",
+    )
+    meta = slow_phase_meta(MODEL, args, chosen, wall)
     columns = list(rows[-1])
     lines = [
         f"- {r['profile']} measured: E {r['efficiency']:.3f} vs >= {GOAL:.2f} -> "

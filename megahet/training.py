@@ -33,9 +33,10 @@ from megahet.config_checks import validate
 from megahet.engine import build_engine, fold_deepspeed_json
 from megahet.failures import first_local_rank, is_peer_loss, lost_peer_message, record_peers
 from megahet.logging import TrainingLogger
-from megahet.parallel import ParallelLayout, destroy_parallel, initialize_parallel, mesh_coords
+from megahet.parallel import ParallelLayout, destroy_parallel, initialize_parallel
 from megahet.platform import cuda_available
 from megahet.policy.dp_shares import even_shares, replica_loss_scale
+from megahet.runtime.hetero_setup import start_heterogeneous, start_pipeline
 from megahet.runtime.hooks import StepHook
 from megahet.runtime.stage_plan import start_split
 from megahet.runtime.timing import CommClock, ComputeTimers, StepTimes, time_layers
@@ -414,9 +415,9 @@ def build_trainer(
         # First: it plans at the start of a step, before the ResizeController executes the plan.
         balancer = BalanceController(cfg, layout, resizer, lambda: trainer.times, lambda: trainer.step_t0)
         trainer.step_hooks.insert(0, balancer)
-    coords = _start_heterogeneous(cfg, trainer, balancer if cfg.balance.active else None)
+    coords = start_heterogeneous(cfg, trainer, balancer if cfg.balance.active else None)
     if pipeline:
-        _start_pipeline(cfg, trainer, coords, resplits)
+        start_pipeline(cfg, trainer, coords, resplits)
     if resume is not None:
         seconds = checkpoint.load(trainer, resume, resplit=resplits > 0)
         logger.print(f"megahet: resumed from {resume.path} (step {trainer.iteration}) in {seconds:.2f} s")
@@ -426,69 +427,6 @@ def build_trainer(
     return trainer
 
 
-def _start_heterogeneous(cfg: MegahetConfig, trainer: Trainer, balancer) -> list | None:
-    """Declared speeds (hetero.speeds) set the data-parallel shares and the TP plan from step 0; uneven
-    shares add the data-parallel balancer (first: it re-plans before a step's data is read). Returns
-    every rank's (dp, pp, tp) when the run is heterogeneous (hetero.*), else None."""
-    h, layout = cfg.hetero, trainer.layout
-    if not (h.speeds or h.active or h.pp_active):
-        return None
-    from megahet.config_checks import ranks_per_node
-    from megahet.policy.declared_speeds import parse_declared_speeds
-    from megahet.policy.dp_shares import dp_shares, replica_speeds
-    from megahet.runtime.dp_balancer import DataParallelBalancer, rank_coords
-
-    coords = rank_coords(layout)
-    if coords != mesh_coords(layout.world_size, layout.tp_size, layout.pp_size):  # what start_split assumed
-        raise RuntimeError(f"megatron-core's rank order is not tp-dp-pp: {coords}")
-    if h.speeds:
-        declared = parse_declared_speeds(h.speeds, layout.world_size, ranks_per_node(layout.world_size))
-        by_coords = dict(zip(coords, declared))
-        if h.active:  # a TP balancer evens each TP group out, else it runs at its slowest rank
-            speeds = replica_speeds(
-                by_coords, tp_balanced=balancer is not None and cfg.balance.mode != "static"
-            )
-            trainer.set_shares(dp_shares(speeds, sum(trainer.shares), healthy_gap=h.healthy_gap))
-        if balancer is not None:
-            stage = [
-                [by_coords[(dp, layout.pp_rank, tp)] for tp in range(layout.tp_size)]
-                for dp in range(layout.dp_size)
-            ]
-            balancer.start_from(stage)
-    if h.active:  # declared shares are measured and reported too, but never re-planned
-        dp_balancer = DataParallelBalancer(
-            cfg,
-            layout,
-            trainer.set_shares,
-            lambda: trainer.times,
-            coords,
-            trainer.shares,
-            lambda: trainer.step_t0,
-        )
-        trainer.step_hooks.insert(0, dp_balancer)
-    return coords
-
-
-def _start_pipeline(cfg: MegahetConfig, trainer: Trainer, coords: list, resplits: int) -> None:
-    """The pipeline balancer: measures every stage's time per layer, and with hetero.pp_split=measured
-    asks the Trainer for a re-split (megahet/runtime/pp_balancer.py)."""
-    from megahet.config_checks import stage_split
-    from megahet.runtime.pp_balancer import PipelineBalancer
-
-    pp = PipelineBalancer(
-        cfg,
-        trainer.layout,
-        stage_split(cfg),
-        trainer.request_split,
-        lambda: trainer.times,
-        lambda: trainer.num_microbatches,
-        coords,
-        lambda: trainer.step_t0,
-        resplits,
-    )
-    trainer.step_hooks.insert(0, pp)
-
-
 def pretrain(cfg: MegahetConfig, spec: TaskSpec) -> list[dict[str, Any]]:
     """setup(), then train with periodic logging and evaluation; returns the per-step records. When the
     pipeline balancer asks for other layers per stage, the stages are re-split (checkpoint -> reshard with
@@ -496,14 +434,14 @@ def pretrain(cfg: MegahetConfig, spec: TaskSpec) -> list[dict[str, Any]]:
     from megahet.runtime.resplit import resplit
 
     trainer = setup(cfg, spec)
-    logger, start = trainer.logger, trainer.start_iteration
+    logger, start, layout, user_ds = trainer.logger, trainer.start_iteration, trainer.layout, trainer.user_ds
+
+    def rebuild(new_cfg: MegahetConfig, resume: checkpoint.Resume, resplits: int) -> Trainer:
+        return build_trainer(new_cfg, spec, layout, user_ds, resume, logger, resplits)
+
     t0 = time.perf_counter()
     history = trainer.train()
     while trainer.pending_split is not None and trainer.iteration < trainer.cfg.train.train_iters:
-
-        def rebuild(new_cfg: MegahetConfig, resume: checkpoint.Resume, resplits: int, old=trainer) -> Trainer:
-            return build_trainer(new_cfg, spec, old.layout, old.user_ds, resume, old.logger, resplits)
-
         trainer = resplit(trainer, rebuild)
         history += trainer.train()
     for hook in trainer.step_hooks:

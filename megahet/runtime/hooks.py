@@ -86,14 +86,13 @@ class MeasuringHook(StepHook):
     """When the current step began (the Trainer's clock)."""
     _pending: tuple | None = None
     """(all_gather handle, rows, step, step seconds) of the last step, until `_take`."""
+    trace = None
+    """A TraceWriter (global rank 0 with --balance.trace), or None."""
 
     def _gather(self, mine: torch.Tensor, group=None) -> None:
         rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         handle = dist.all_gather(rows, mine, group=group, async_op=True)
         self._pending = (handle, rows, self.step, time.perf_counter() - self.step_start())
-
-    trace = None
-    """A TraceWriter (global rank 0 with --balance.trace), or None."""
 
     def _collect(self) -> None:
         """Fold the last step's gathered rows in (`_take`)."""

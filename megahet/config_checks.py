@@ -45,6 +45,7 @@ def validate(cfg: MegahetConfig, world_size: int) -> int:
         f"parallel.tp {p.tp} does not divide the MLP size {m.ffn_size} (model.ffn_hidden_size, default "
         f"4 * hidden_size): use a TP size that divides it or set model.ffn_hidden_size",
     )
+    _validate_architecture(cfg)
     _validate_stage_layers(cfg)
     check_world_size(world_size, p.tp, p.pp)
     _require(p.zero_stage in (1, 2), f"parallel.zero_stage must be 1 or 2, got {p.zero_stage}")
@@ -87,6 +88,39 @@ def validate(cfg: MegahetConfig, world_size: int) -> int:
     )
     _validate_hetero(cfg, world_size, dp)
     return dp
+
+
+def _validate_architecture(cfg: MegahetConfig) -> None:
+    """The Llama-family options: grouped-query attention split by TP, rotary positions on even head dims."""
+    m, p = cfg.model, cfg.parallel
+    if m.num_query_groups is not None:
+        groups, heads = m.num_query_groups, m.num_attention_heads
+        _require(groups > 0, f"model.num_query_groups must be positive, got {groups} (unset: one per head)")
+        _require(
+            heads % groups == 0,
+            f"model.num_query_groups {groups} does not divide model.num_attention_heads {heads}: every "
+            f"key/value head serves the same number of query heads; pick a divisor of {heads}",
+        )
+        _require(
+            groups % p.tp == 0,
+            f"parallel.tp {p.tp} does not divide model.num_query_groups {groups}: each TP rank needs whole "
+            f"key/value heads; use a TP size that divides {groups} or more query groups",
+        )
+        resizable = cfg.resize.active or bool(cfg.device.profile) or cfg.balance.active
+        _require(
+            groups == heads or not resizable,
+            f"model.num_query_groups {groups} < model.num_attention_heads {heads} (grouped-query attention) "
+            f"cannot be resized or migrated yet: run it with balance.mode static, no resize.* and no "
+            f"device.profile, or with one key/value head per query head",
+        )
+    if m.position_embedding_type == "rope":
+        _require(m.rotary_base > 0, f"model.rotary_base must be positive, got {m.rotary_base}")
+        head_dim = m.hidden_size // m.num_attention_heads
+        _require(
+            head_dim % 2 == 0,
+            f"rotary positions rotate pairs of channels: the head dim {head_dim} (model.hidden_size / "
+            f"model.num_attention_heads) must be even",
+        )
 
 
 def stage_split(cfg: MegahetConfig) -> tuple[int, ...]:

@@ -109,6 +109,8 @@ def _cases(tmp: Path) -> dict[str, tuple[str, list[str], dict[str, str]]]:
         "negative_global_batch": ("vit", ["--train.global_batch_size=-64"], one),
         "vit_patch_size": ("vit", ["--model.patch_size", "5"], one),
         "vit_tp_heads": ("vit", ["--parallel.tp", "3"], {"WORLD_SIZE": "3"}),
+        "vit_rope": ("vit", ["--model.position_embedding_type", "rope"], one),
+        "gqa_tp": ("gpt", ["--model.num_query_groups", "1", "--parallel.tp", "2"], {"WORLD_SIZE": "2"}),
         # Control: valid input reaches the (replaced) process-group start.
         "valid_gpt": ("gpt", ["--train.train_iters", "1", "--logging.wandb", "false"], one),
     }
@@ -133,6 +135,8 @@ EXPECTED = {
     "negative_global_batch": ["train.global_batch_size", "positive", "-64"],
     "vit_patch_size": ["model.image_size 28", "model.patch_size 5"],
     "vit_tp_heads": ["parallel.tp 3", "model.num_attention_heads"],
+    "vit_rope": ["model.position_embedding_type", "ViT"],
+    "gqa_tp": ["parallel.tp 2", "model.num_query_groups 1"],
 }
 
 

@@ -137,9 +137,11 @@ def find_resume(cfg: MegahetConfig) -> Resume | None:
     return Resume(path, meta, note)
 
 
-MODEL_SETTINGS_FREE = ("hidden_dropout", "attention_dropout", "init_method_std", "layernorm_epsilon")
-"""Model settings a resumed run may change (regularization, initialization, numerics): the rest shape
-the weights."""
+MODEL_SETTINGS_FREE = (
+    "hidden_dropout", "attention_dropout", "init_method_std", "layernorm_epsilon", "attention",
+)  # fmt: skip
+"""Model settings a resumed run may change (regularization, initialization, numerics, the attention kernel):
+the rest shape the weights."""
 
 
 def _shaping_settings(model: dict) -> dict:

@@ -75,6 +75,53 @@ def partition_dim(name: str) -> int | None:
     return _PARTITION.get(match.group(2) if match else name)
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """How a model's TP shards are laid out beyond each parameter's partition dim.
+
+    gated: SwiGLU's fc1 holds [gate; up] rows on every rank (megatron-core's layout), so the unsharded
+    fc1 is [all gates; all ups], not the ranks' blocks one after the other. tied: the last stage's
+    `output_layer.weight` is a copy of the word embedding (dropped on merge, recreated on shard);
+    untied, it is a parameter of its own."""
+
+    gated: bool = False
+    tied: bool = True
+
+    @classmethod
+    def of(cls, m: ModelConfig | None) -> ShardLayout:
+        if m is None:
+            return cls()
+        return cls(gated=m.activation == "swiglu", tied=not m.untie_embeddings_and_output_weights)
+
+    @classmethod
+    def recorded(cls, meta: dict) -> ShardLayout:
+        """The layout a checkpoint's megahet.json records (older checkpoints: GPT-2's, the only one then)."""
+        model = meta.get("model") or {}
+        return cls(
+            gated=model.get("activation", "gelu") == "swiglu",
+            tied=not model.get("untie_embeddings_and_output_weights", False),
+        )
+
+    def is_gated(self, name: str) -> bool:
+        return self.gated and name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias"))
+
+
+def _merge_tp(parts: list[torch.Tensor], dim: int, gated: bool) -> torch.Tensor:
+    """TP shards -> the unsharded tensor; gated fc1: [gate_0; up_0], [gate_1; up_1] -> [gates; ups]."""
+    if not gated:
+        return torch.cat(parts, dim=dim)
+    halves = [p.chunk(2, dim=dim) for p in parts]
+    return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
+
+
+def _split_tp(tensor: torch.Tensor, tp: int, dim: int, gated: bool) -> list[torch.Tensor]:
+    """The inverse of _merge_tp."""
+    if not gated:
+        return list(torch.chunk(tensor, tp, dim=dim))
+    gate, up = (half.chunk(tp, dim=dim) for half in tensor.chunk(2, dim=dim))
+    return [torch.cat([g, u], dim=dim) for g, u in zip(gate, up)]
+
+
 def num_layers_of(state: dict) -> int:
     return 1 + max(int(m.group(1)) for k in state if (m := _LAYER.match(k)))
 
@@ -160,7 +207,7 @@ def read_stages(folder: Path, meta: dict) -> list[list[dict]]:
     return stages
 
 
-def merge_shards(stages: list[list[dict]]) -> dict:
+def merge_shards(stages: list[list[dict]], layout: ShardLayout = ShardLayout()) -> dict:
     """stages[pp_rank][tp_rank]: rank-local state dicts -> the unsharded TP=1 PP=1 state (fp32 tensors;
     non-tensor entries such as megatron-core's `_extra_state` are taken from TP rank 0)."""
     out: dict[str, torch.Tensor] = {}
@@ -168,7 +215,7 @@ def merge_shards(stages: list[list[dict]]) -> dict:
     for pp_rank, shards in enumerate(stages):
         local_layers = {int(m.group(1)) for k in shards[0] if (m := _LAYER.match(k))}
         for name in shards[0]:
-            if name == TIED_COPY and len(stages) > 1 and pp_rank > 0:
+            if name == TIED_COPY and layout.tied and len(stages) > 1 and pp_rank > 0:
                 continue  # the last stage's copy of the tied word embedding
             match = _LAYER.match(name)
             full = f"decoder.layers.{first_layer + int(match.group(1))}.{match.group(2)}" if match else name
@@ -184,7 +231,7 @@ def merge_shards(stages: list[list[dict]]) -> dict:
                     )
                 out[full] = parts[0].clone()
             else:
-                out[full] = torch.cat(parts, dim=dim)
+                out[full] = _merge_tp(parts, dim, layout.is_gated(full))
         first_layer += len(local_layers)
     return out
 
@@ -192,11 +239,17 @@ def merge_shards(stages: list[list[dict]]) -> dict:
 def consolidate(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     """The checkpoint's unsharded fp32 state dict (tensors only) and its megahet.json."""
     folder, meta = find_checkpoint(path)
-    merged = merge_shards(read_stages(folder, meta))
+    merged = merge_shards(read_stages(folder, meta), ShardLayout.recorded(meta))
     return {k: v for k, v in merged.items() if torch.is_tensor(v)}, meta
 
 
-def shard(state: dict, tp: int, pp: int, stage_layers: tuple[int, ...] | None = None) -> list[list[dict]]:
+def shard(
+    state: dict,
+    tp: int,
+    pp: int,
+    stage_layers: tuple[int, ...] | None = None,
+    layout: ShardLayout = ShardLayout(),
+) -> list[list[dict]]:
     """The inverse of merge_shards for a GPT/ViT state: [pp_rank][tp_rank] rank-local state dicts
     (layers split over stages as `stage_layers` says, evenly by default; the tied output copy on the
     last stage of a GPT when PP > 1; non-tensor entries are replicated as they are)."""
@@ -223,14 +276,14 @@ def shard(state: dict, tp: int, pp: int, stage_layers: tuple[int, ...] | None = 
             targets = [(stage, f"decoder.layers.{local}.{match.group(2)}")]
         elif any(name.startswith(p) for p in embedding_owner):
             targets = [(0, name)]
-            if name == "embedding.word_embeddings.weight" and pp > 1:
+            if name == "embedding.word_embeddings.weight" and pp > 1 and layout.tied:
                 targets.append((pp - 1, TIED_COPY))
         else:  # final layernorm, ViT head
             targets = [(pp - 1, name)]
         dim = partition_dim(name) if torch.is_tensor(tensor) else None
         if dim is not None and tensor.shape[dim] % tp:
             raise ConfigError(f"{name}: dim {dim} of size {tensor.shape[dim]} cannot be split over TP={tp}")
-        parts = torch.chunk(tensor, tp, dim=dim) if dim is not None else [tensor] * tp
+        parts = _split_tp(tensor, tp, dim, layout.is_gated(name)) if dim is not None else [tensor] * tp
         for stage, local in targets:
             for t in range(tp):
                 stages[stage][t][local] = parts[t].clone() if torch.is_tensor(parts[t]) else parts[t]
@@ -269,6 +322,7 @@ def check_reshard(m: ModelConfig, tp: int, pp: int, stage_layers: tuple[int, ...
             raise ConfigError(f"reshard: --stage-layers {err}") from None
     checks = [
         ("attention heads", m.num_attention_heads, tp, "--tp"),
+        ("key/value heads (model.num_query_groups)", m.query_groups, tp, "--tp"),
         ("MLP hidden units (ffn)", m.ffn_size, tp, "--tp"),
     ]
     if stage_layers is None:
@@ -345,7 +399,9 @@ def _resharded(
     if WORD_EMBEDDING in state:  # GPT: the vocabulary is padded per TP size
         rows = resharded_vocab_rows(state[WORD_EMBEDDING].shape[0], m, src_tp, tp, vocab)
         state = {**state, WORD_EMBEDDING: repad_vocab(state[WORD_EMBEDDING], rows)}
-    return shard(state, tp, pp, split)
+        if TIED_COPY in state:  # untied: the output layer has the vocabulary's rows too
+            state[TIED_COPY] = repad_vocab(state[TIED_COPY], rows)
+    return shard(state, tp, pp, split, ShardLayout.of(m))
 
 
 def _optimizer_stages(
@@ -372,7 +428,7 @@ def _optimizer_stages(
     shared = {"step": step, **{k: first[k] for k in ("lr", "lr_scheduler", "global_steps")}}
     out = [[dict(shared) for _ in range(tp)] for _ in range(pp)]
     for key in TENSOR_KEYS:
-        merged = merge_shards([[rank[key] for rank in stage] for stage in per_rank])
+        merged = merge_shards([[rank[key] for rank in stage] for stage in per_rank], ShardLayout.of(m))
         for p, stage in enumerate(_resharded(merged, m, src_tp, tp, pp, vocab, split)):
             for t, tensors in enumerate(stage):
                 out[p][t][key] = tensors
@@ -398,7 +454,7 @@ def reshard_into(
     m = model_settings(meta, model, "reshard")
     split = tuple(stage_layers) if stage_layers is not None and pp > 1 else None
     check_reshard(m, tp, pp, split)
-    state = merge_shards(read_stages(folder, meta))
+    state = merge_shards(read_stages(folder, meta), ShardLayout.of(m))
     if num_layers_of(state) != m.num_layers:
         raise ConfigError(
             f"reshard: the model settings say {m.num_layers} layers, the checkpoint has {num_layers_of(state)}: "

@@ -52,11 +52,18 @@ def transformer_config(cfg: MegahetConfig) -> TransformerConfig:
     split = stage_split(cfg)
     dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
     fused = cuda_available()
-    fused_bias_gelu = fused and m.add_bias_linear  # megatron-core's bias-GELU kernel needs a bias
+    swiglu = m.activation == "swiglu"
+    # megatron-core's bias-GELU kernel needs a bias; its SwiGLU kernel runs with or without one.
+    fused_bias_act = fused and (swiglu or m.add_bias_linear)
+    if swiglu:
+        activation = F.silu
+    else:
+        activation = F.gelu if fused_bias_act else gelu_tanh  # tanh GELU either way (see above)
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.query_groups,
         ffn_hidden_size=m.ffn_size,
         tensor_model_parallel_size=p.tp,
         pipeline_model_parallel_size=p.pp,
@@ -66,9 +73,10 @@ def transformer_config(cfg: MegahetConfig) -> TransformerConfig:
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
         layernorm_epsilon=m.layernorm_epsilon,
-        activation_func=F.gelu if fused_bias_gelu else gelu_tanh,  # tanh GELU either way (see above)
+        activation_func=activation,
+        gated_linear_unit=swiglu,
         add_bias_linear=m.add_bias_linear,
-        normalization="LayerNorm",
+        normalization=m.normalization,
         # Initialize every weight from its full (unsharded) master on the CPU, so a model is the
         # same function of the seed whatever its TP size.
         use_cpu_initialization=True,
@@ -76,7 +84,7 @@ def transformer_config(cfg: MegahetConfig) -> TransformerConfig:
         pipeline_dtype=dtype,
         bf16=cfg.train.precision == "bf16",
         gradient_accumulation_fusion=False,
-        bias_activation_fusion=fused_bias_gelu,
+        bias_activation_fusion=fused_bias_act,
         masked_softmax_fusion=fused and has_fused_softmax_kernel(),
         bias_dropout_fusion=fused,
         persist_layer_norm=False,
@@ -84,14 +92,31 @@ def transformer_config(cfg: MegahetConfig) -> TransformerConfig:
     )
 
 
-def local_layer_spec(attn_mask_type: AttnMaskType = AttnMaskType.causal) -> ModuleSpec:
-    """megatron-core's local (no Transformer Engine) layer spec with the given attention mask."""
-    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="LayerNorm"))
+def local_layer_spec(
+    attn_mask_type: AttnMaskType = AttnMaskType.causal,
+    *,
+    attention: str = "sdpa",
+    normalization: str = "LayerNorm",
+) -> ModuleSpec:
+    """megatron-core's local (no Transformer Engine) layer spec with the given attention mask, core
+    attention (sdpa: megahet's SDPACoreAttention; local: megatron-core's DotProductAttention) and norm."""
+    from megahet.models.attention import SDPACoreAttention
+
+    if attention not in ("sdpa", "local"):
+        raise ValueError(f"attention must be sdpa or local, got {attention!r}")
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization))
     spec.submodules.self_attention.params["attn_mask_type"] = attn_mask_type
+    if attention == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return spec
 
 
-def resizable_layer_spec(attn_mask_type: AttnMaskType = AttnMaskType.causal) -> ModuleSpec:
+def resizable_layer_spec(
+    attn_mask_type: AttnMaskType = AttnMaskType.causal,
+    *,
+    attention: str = "sdpa",
+    normalization: str = "LayerNorm",
+) -> ModuleSpec:
     """The local layer spec with megahet's resizable attention and TP linears plugged in."""
     from megahet.tensor_parallel.layers import (
         ResizableColumnParallelLinear,
@@ -99,18 +124,20 @@ def resizable_layer_spec(attn_mask_type: AttnMaskType = AttnMaskType.causal) -> 
         ResizableSelfAttention,
     )
 
-    spec = local_layer_spec(attn_mask_type)
-    attention, mlp = spec.submodules.self_attention, spec.submodules.mlp
-    attention.module = ResizableSelfAttention
-    attention.submodules.linear_qkv = ResizableColumnParallelLinear
-    attention.submodules.linear_proj = ResizableRowParallelLinear
+    spec = local_layer_spec(attn_mask_type, attention=attention, normalization=normalization)
+    attention_spec, mlp = spec.submodules.self_attention, spec.submodules.mlp
+    attention_spec.module = ResizableSelfAttention
+    attention_spec.submodules.linear_qkv = ResizableColumnParallelLinear
+    attention_spec.submodules.linear_proj = ResizableRowParallelLinear
     mlp.submodules.linear_fc1 = ResizableColumnParallelLinear
     mlp.submodules.linear_fc2 = ResizableRowParallelLinear
     return spec
 
 
 def default_layer_spec(cfg: MegahetConfig, attn_mask_type: AttnMaskType = AttnMaskType.causal) -> ModuleSpec:
-    """Resizable layers when resizing or virtual devices are on, else megatron-core's own local layers."""
+    """Resizable layers when resizing or virtual devices are on, else megatron-core's own local layers;
+    the core attention and norm the model config names in both."""
     # Virtual devices and the balancer need the resizable layers' FLOP counters and plans.
     resizable = cfg.resize.active or bool(cfg.device.profile) or cfg.balance.active
-    return resizable_layer_spec(attn_mask_type) if resizable else local_layer_spec(attn_mask_type)
+    build = resizable_layer_spec if resizable else local_layer_spec
+    return build(attn_mask_type, attention=cfg.model.attention, normalization=cfg.model.normalization)

@@ -1,4 +1,5 @@
-"""GPT: megatron-core's GPTModel (local layer spec, learned positions, tied embeddings, GPT-2 shape).
+"""GPT: megatron-core's GPTModel, GPT-2-shaped (learned positions, LayerNorm, GELU, tied embeddings) or
+Llama-shaped (rotary positions, RMSNorm, SwiGLU, grouped-query attention, untied embeddings) by model config.
 
 Role: models.
 
@@ -31,6 +32,7 @@ def build_gpt(cfg: MegahetConfig, vocab_size: int, layer_spec: ModuleSpec | None
         max_sequence_length=m.seq_length,
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=True,
-        position_embedding_type="learned_absolute",
+        share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+        position_embedding_type=m.position_embedding_type,
+        rotary_base=m.rotary_base,
     )

@@ -74,6 +74,13 @@ def gather_units(weight: torch.Tensor, dim: int, index: torch.Tensor) -> torch.T
     return _GatherUnits.apply(weight, dim, index)
 
 
+def _append_rows(own: torch.Tensor, guests: torch.Tensor, groups: int) -> torch.Tensor:
+    """Own rows then guest rows, within each of `groups` stacked halves: [own_g; guest_g] per group."""
+    if groups == 1:
+        return torch.cat([own, guests])
+    return torch.cat([own.unflatten(0, (groups, -1)), guests.unflatten(0, (groups, -1))], dim=1).flatten(0, 1)
+
+
 def _check_resizable(layer) -> None:
     if layer.sequence_parallel:
         raise NotImplementedError(
@@ -89,6 +96,9 @@ class ResizableColumnParallelLinear(ColumnParallelLinear):
         self.kept: torch.Tensor | None = None
         self.guest_weight: torch.Tensor | None = None  # (guest rows, in): units migrated here
         self.guest_bias: torch.Tensor | None = None
+        self.unit_groups = 1
+        """Output rows are `unit_groups` stacked halves ([gates; ups] for SwiGLU: 2); own and guest rows
+        are interleaved per group so that the activation's chunk(2) still splits gates from ups."""
         self.executed_flops = self.backward_flops = 0
         self.count_backward = False
 
@@ -119,8 +129,8 @@ class ResizableColumnParallelLinear(ColumnParallelLinear):
         if bias is not None and self.kept is not None:
             bias = gather_units(bias, 0, self.kept)
         if self.guest_weight is not None:  # guests' input is the replicated x this rank already holds
-            w = torch.cat([w, self.guest_weight])  # (kept + guest rows, h)
-            bias = torch.cat([bias, self.guest_bias]) if bias is not None else None
+            w = _append_rows(w, self.guest_weight, self.unit_groups)  # (kept + guest rows, h)
+            bias = _append_rows(bias, self.guest_bias, self.unit_groups) if bias is not None else None
         flops = 2 * _tokens(input_) * w.shape[0] * w.shape[1]
         self.executed_flops += flops
         out = F.linear(x, w, None if self.skip_bias_add else bias)  # (s, b, kept + guests)

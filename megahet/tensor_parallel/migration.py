@@ -79,7 +79,7 @@ class MigrationExchange:
             tensors = []
             for up in block.unit_params:
                 shape = list(up.param.shape)
-                shape[up.dim] = hosted * up.width
+                shape[up.dim] = up.groups * hosted * up.width
                 tensors.append(
                     torch.zeros(shape, dtype=up.param.dtype, device=up.param.device, requires_grad=True)
                 )

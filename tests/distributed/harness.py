@@ -48,6 +48,16 @@ GPT_MODEL = [
 ]
 
 
+# The same GPT, Llama-shaped: rotary positions, RMSNorm, SwiGLU, 2 key/value heads for 4 query heads,
+# untied output layer, no linear biases.
+LLAMA_MODEL = [
+    *GPT_MODEL,
+    "--model.position_embedding_type", "rope", "--model.normalization", "RMSNorm",
+    "--model.activation", "swiglu", "--model.ffn_hidden_size", "160", "--model.num_query_groups", "2",
+    "--model.untie_embeddings_and_output_weights", "true", "--model.add_bias_linear", "false",
+]  # fmt: skip
+
+
 def short_run(steps: int, *, eval_iters: int = 2, lr: str | None = None) -> list[str]:
     """pretrain overrides of a short test run: micro-batch 2 of a global batch of 8, LR warm-up over 2
     steps, a log line per step, one evaluation (at the end), no wandb."""

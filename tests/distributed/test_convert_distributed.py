@@ -1,7 +1,10 @@
 """Conversion of real checkpoints (workers/convert_train.py; two 4-rank launches, ~2 min on 2 cores).
 
-Launch 1 trains pretrain_gpt at TP=2 x PP=2 and pretrain_vit at TP=2 x PP=2 for 3 steps each, saving
-at the end, and records each sharded model's logits on fixed inputs. Here (one process):
+Launch 1 trains pretrain_gpt at TP=2 x PP=2 (GPT-2- and Llama-shaped) and pretrain_vit at TP=2 x PP=2 for
+3 steps each, saving at the end, and records each sharded model's logits on fixed inputs. Here (one
+process):
+- the Llama checkpoint (SwiGLU, grouped-query attention, untied output layer) consolidates to a TP=1
+  model with the same logits, and reshards TP2xPP2 -> TP2xPP1, which loads with the same logits;
 - `consolidate` -> a TP=1 GPT gives the same logits; `export-hf` -> GPT2LMHeadModel gives them too,
   and greedy generation equal to megahet's own greedy loop;
 - `export-vit` -> `load_vit_export` -> a single-process ViT reproduces the trained ViT's logits;
@@ -21,7 +24,7 @@ import time
 
 import pytest
 import torch
-from harness import GPT_MODEL, REPO, compare, torchrun
+from harness import GPT_MODEL, LLAMA_MODEL, REPO, compare, torchrun
 
 from megahet.config import load_config
 from megahet.engine import lr_lambda
@@ -60,12 +63,32 @@ def trained(gpt_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("convert")
     gpt = [*GPT_MODEL, *gpt_data, *COMMON, *TP2_PP2, "--train.train_iters", "3"]
     vit = [*VIT_MODEL, *COMMON, *TP2_PP2, "--train.train_iters", "3"]
+    llama = [*LLAMA_MODEL, *gpt_data, *COMMON, *TP2_PP2, "--train.train_iters", "3"]
     jobs = [
         {"name": "gpt", "task": "gpt", "argv": [*gpt, "--train.save", str(out / "gpt_ck")]},
         {"name": "vit", "task": "vit", "argv": [*vit, "--train.save", str(out / "vit_ck")]},
+        {"name": "llama", "task": "gpt", "argv": [*llama, "--train.save", str(out / "llama_ck")]},
     ]
     results, _ = launch(out, jobs)
-    return out, results, {"gpt": gpt, "vit": vit}
+    return out, results, {"gpt": gpt, "vit": vit, "llama": llama}
+
+
+def test_llama_tp2_pp2_checkpoint_consolidates(trained, world1):
+    """SwiGLU's per-rank [gate; up] fc1 rows, the grouped-query qkv and the untied output layer of the
+    last stage merge into the TP=1 model: the same logits."""
+    out, results, _ = trained
+    tokens, expected = results["llama"]["inputs"], results["llama"]["after"]
+    assert convert(["consolidate", "--load", str(out / "llama_ck"), "--out", str(out / "llama.pt")]) == 0
+    state = torch.load(out / "llama.pt")
+    assert "output_layer.weight" in state and not torch.equal(
+        state["output_layer.weight"], state["embedding.word_embeddings.weight"]
+    )
+    model = build_gpt(load_config(LLAMA_MODEL), VOCAB).eval()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all(k.endswith("_extra_state") for k in missing)
+    with torch.no_grad():
+        logits = model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
+    compare("convert llama tp2pp2", "consolidated TP1 logits", logits, expected)
 
 
 def test_tp2_pp2_checkpoint_consolidates_and_exports(trained, world1):
@@ -134,6 +157,8 @@ def test_resharded_checkpoints_load_and_continue(trained, capsys):
                     "--pp", "1"]) == 0  # fmt: skip
     assert convert(["reshard", "--load", str(out / "vit_ck"), "--out", str(out / "vit_tp1"), "--tp", "1",
                     "--pp", "1"]) == 0  # fmt: skip
+    assert convert(["reshard", "--load", str(out / "llama_ck"), "--out", str(out / "llama_tp2pp1"), "--tp", "2",
+                    "--pp", "1"]) == 0  # fmt: skip
     assert "TP 2 x PP 2 -> TP 1 x PP 1, weights only" in capsys.readouterr().out
     print(f"reshard GPT TP2xPP2 -> TP1: {seconds:.2f} s")
     # saved data is never overwritten
@@ -149,11 +174,13 @@ def test_resharded_checkpoints_load_and_continue(trained, capsys):
                                                "1", "--train.load", str(out / "gpt_tp4")]},
         {"name": "vit_tp1", "task": "vit", "argv": [*argv["vit"], *one_more, "--parallel.tp", "1",
                                                    "--parallel.pp", "1", "--train.load", str(out / "vit_tp1")]},
+        {"name": "llama_tp2", "task": "gpt", "argv": [*argv["llama"], *one_more, "--parallel.tp", "2",
+                                                     "--parallel.pp", "1", "--train.load", str(out / "llama_tp2pp1")]},
     ]  # fmt: skip
     loaded, log = launch(out, jobs)
-    assert log.count("is a weights-only checkpoint") == 3 and "the LR schedule restart" in log
+    assert log.count("is a weights-only checkpoint") == 4 and "the LR schedule restart" in log
 
-    for name, source in (("tp1", "gpt"), ("tp4", "gpt"), ("vit_tp1", "vit")):
+    for name, source in (("tp1", "gpt"), ("tp4", "gpt"), ("vit_tp1", "vit"), ("llama_tp2", "llama")):
         run = loaded[name]
         compare(f"reshard {name}", "loaded logits", run["before"], results[source]["after"])
         assert (run["start_iteration"], run["start_sample"], run["iteration"]) == (3, 12, 4), name

@@ -6,6 +6,8 @@ workers/resize_equivalence.py (numerics, TP=2 then TP=1 x DP=2 in the same proce
 - gamma > 0 at TP=2 with only one TP rank dropping units (rank 0, and rank 1 for the index mapping):
   output and full gradients equal the TP=1 model whose corresponding global units (local unit u of
   TP rank r = global unit r * units_per_rank + u) are zeroed; the dropping rank's FLOPs fall exactly;
+- attention through SDPA equals megatron-core's local attention at TP=2 (GPT and ViT), with heads and
+  MLP units dropped and migrated (MIXED_PLAN);
 - count-aware averaging at DP=2: replicas that drop different units, all-reduce-meaned (as
   DeepSpeed's DP reduction does), give per unit the mean of the gradients of the replicas that
   computed it, and zero for units neither computed.
@@ -107,6 +109,23 @@ def test_one_tp_rank_resized_equals_tp1_with_global_units_zeroed(numerics: dict,
     for block, local in meta["local_drops"].items():
         units = per_rank[block[0]]
         assert Fraction(mine[str(block)], other[str(block)]) == Fraction(units - len(local), units), block
+
+
+@pytest.mark.parametrize("kind", ["gpt", "vit"])
+def test_sdpa_equals_local_attention_at_tp2_with_heads_dropped_and_migrated(
+    numerics: dict, kind: str
+) -> None:
+    sdpa, local = numerics[f"mixed_{kind}_sdpa"], numerics[f"mixed_{kind}_local"]
+    whole = numerics[f"gamma0_{kind}"]["resizable"]  # same seed and batch, nothing dropped or moved
+    _close(sdpa["out"], local["out"], "output")
+    assert (sdpa["out"] - whole["out"]).abs().max() > 1e-4  # the plan did change the model
+    assert list(sdpa["grads"]) == list(local["grads"])
+    for name, grad in sdpa["grads"].items():
+        _close(grad, local["grads"][name], f"gradient of {name}")
+    # Migrated units' gradients came home: layer 2's head 0 of TP rank 1 (global head 2) has one.
+    meta = numerics["meta"]
+    qkv = sdpa["grads"]["decoder.layers.1.self_attention.linear_qkv.weight"]
+    assert qkv[2 * 3 * meta["head_dim"] : 3 * 3 * meta["head_dim"]].abs().max() > 0
 
 
 def test_count_aware_averaging_over_dp_replicas_dropping_different_units(numerics: dict) -> None:

@@ -21,7 +21,8 @@ VOCAB, SEQ, MICRO = 64, 8, 2
 DROPS = {("mlp", 1): (2, 3, 10, 31, 47, 60), ("attn", 1): (1,), ("attn", 2): (0, 3), ("mlp", 2): (0, 63)}
 
 
-def gpt() -> torch.nn.Module:
+def gpt(**overrides) -> torch.nn.Module:
+    """The tiny resizable GPT; `overrides` are model config keys (e.g. {"model.activation": "swiglu"})."""
     cfg = apply_overrides(
         MegahetConfig(),
         {
@@ -31,6 +32,7 @@ def gpt() -> torch.nn.Module:
             "model.ffn_hidden_size": FFN,
             "model.seq_length": SEQ,
             "model.make_vocab_size_divisible_by": 1,
+            **overrides,
         },
     )
     torch.manual_seed(SEED)

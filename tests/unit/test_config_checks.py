@@ -150,3 +150,55 @@ def test_priority_score_must_be_a_known_score() -> None:
     with pytest.raises(ConfigError) as err:
         load_config(["--resize.priority_score", "l1"])
     _one_line(err, "resize.priority_score", "l1", "taylor")
+
+
+# --- Llama-family options -----------------------------------------------------------------------------
+
+
+def test_llama_options_validate() -> None:
+    llama = {
+        "model.position_embedding_type": "rope", "model.normalization": "RMSNorm", "model.activation": "swiglu",
+        "model.num_query_groups": 2, "model.untie_embeddings_and_output_weights": True,
+        "model.add_bias_linear": False, "model.rotary_base": 500000, "parallel.tp": 2,
+    }  # fmt: skip
+    assert validate(_cfg(**llama), 2) == 1
+    assert _cfg(**llama).model.query_groups == 2 and _cfg().model.query_groups == 4
+
+
+@pytest.mark.parametrize(
+    "overrides, world, needles",
+    [
+        ({"model.num_query_groups": 3}, 1, ("model.num_query_groups 3", "model.num_attention_heads 4")),
+        ({"model.num_query_groups": 0}, 1, ("model.num_query_groups", "positive")),
+        ({"model.num_query_groups": 2, "parallel.tp": 4}, 4, ("parallel.tp 4", "model.num_query_groups 2")),
+        ({"model.position_embedding_type": "rope", "model.rotary_base": 0}, 1, ("model.rotary_base",)),
+        (
+            {
+                "model.position_embedding_type": "rope",
+                "model.hidden_size": 12,
+                "model.num_attention_heads": 4,
+            },
+            1,
+            ("head dim 3", "even"),
+        ),
+    ],
+)
+def test_bad_llama_combinations_are_one_line_errors(overrides: dict, world: int, needles: tuple) -> None:
+    _invalid(_cfg(**overrides), world, *needles)
+
+
+def test_unknown_architecture_values_are_config_errors() -> None:
+    for key, value in [
+        ("model.attention", "flash"),
+        ("model.activation", "relu"),
+        ("model.normalization", "BN"),
+    ]:
+        with pytest.raises(ConfigError, match=key):
+            _cfg(**{key: value})
+
+
+def test_resizing_grouped_query_attention_is_refused_before_ranks_start() -> None:
+    gqa = {"model.num_query_groups": 2}
+    assert validate(_cfg(**gqa), 1) == 1
+    for extra in ({"balance.mode": "semi"}, {"resize.gamma": "0:0.2"}, {"device.profile": "static:1"}):
+        _invalid(_cfg(**gqa, **extra), 1, "model.num_query_groups 2", "resized or migrated")

@@ -6,7 +6,9 @@ Phase TP=2 (DP=1), every model built from the same seed (`use_cpu_initialization
 a slice of the same full weight):
 - gamma0_gpt / gamma0_vit: megatron-core's local-spec model and the resizable-spec model (no plan);
 - tp0_drops / tp1_drops: the resizable GPT where only TP rank 0 (resp. 1) drops the MLP units and
-  heads in LOCAL_DROPS (its local indexes), plus every rank's executed FLOPs.
+  heads in LOCAL_DROPS (its local indexes), plus every rank's executed FLOPs;
+- mixed_<gpt|vit>_<sdpa|local>: the resizable model running MIXED_PLAN (heads and MLP units dropped
+  and migrated) with SDPA and with megatron-core's local core attention.
 Phase TP=1 (DP=2):
 - ref_tp0_drops / ref_tp1_drops: the TP=1 GPT with the corresponding global units zeroed
   (local unit u of TP rank r = global unit r * units_per_rank + u), no plan;
@@ -55,10 +57,22 @@ REPLICA_DROPS = {
 }
 
 
-def config(tp: int) -> MegahetConfig:
+# At TP=2, attention through SDPA and through megatron-core's local DotProductAttention, with heads
+# dropped and migrated (and MLP units, so both kinds of block run resized): TP rank 0 drops head 1 of
+# layer 1 and hands MLP units 2, 9 of layer 1 to rank 1; rank 1 hands head 0 of layer 2 to rank 0.
+MIXED_PLAN = ResizePlan.from_dict(
+    {
+        "blocks": {"attn:1": {"0,0": [1]}, "mlp:2": {"0,1": [3, 4]}},
+        "migrated": {"attn:2": {"0,1": {"0": [0]}}, "mlp:1": {"0,0": {"1": [2, 9]}}},
+    }
+)
+
+
+def config(tp: int, attention: str = "sdpa") -> MegahetConfig:
     return apply_overrides(
         MegahetConfig(),
         {
+            "model.attention": attention,
             "model.num_layers": LAYERS,
             "model.hidden_size": HIDDEN,
             "model.num_attention_heads": HEADS,
@@ -71,17 +85,13 @@ def config(tp: int) -> MegahetConfig:
     )
 
 
-def build(kind: str, spec: str, tp: int):
+def build(kind: str, spec: str, tp: int, attention: str = "sdpa"):
     torch.manual_seed(SEED)
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
+    make = resizable_layer_spec if spec == "resizable" else local_layer_spec
     if kind == "gpt":
-        return build_gpt(
-            config(tp), VOCAB, resizable_layer_spec() if spec == "resizable" else local_layer_spec()
-        )
-    mask = AttnMaskType.no_mask
-    return build_vit(
-        config(tp), resizable_layer_spec(mask) if spec == "resizable" else local_layer_spec(mask)
-    )
+        return build_gpt(config(tp, attention), VOCAB, make(attention=attention))
+    return build_vit(config(tp, attention), make(AttnMaskType.no_mask, attention=attention))
 
 
 def batch(kind: str, seed: int) -> dict[str, torch.Tensor]:
@@ -111,8 +121,9 @@ def gathered(model: torch.nn.Module, what: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def run(model, kind: str, seed: int = 1) -> dict:
-    """Forward + backward on one batch; output, full gradients and full initial parameters."""
+def run(model, kind: str, seed: int = 1, before_gather=None) -> dict:
+    """Forward + backward on one batch; output, full gradients and full initial parameters.
+    `before_gather`: called after the backward (a migrating executor brings its guests' gradients home)."""
     b = batch(kind, seed)
     params = gathered(model, "data")
     if kind == "gpt":
@@ -123,6 +134,8 @@ def run(model, kind: str, seed: int = 1) -> dict:
         out = model(b["images"])  # (b, classes), replicated over TP
         loss = F.cross_entropy(out, b["labels"])
     loss.backward()
+    if before_gather is not None:
+        before_gather()
     return {"out": out.detach().clone(), "grads": gathered(model, "grad"), "params": params}
 
 
@@ -152,6 +165,18 @@ def tp2_phase(results: dict) -> None:
         dist.all_gather_object(flops, {str(k): b.executed_flops for k, b in executor.blocks.items()})
         result["flops"] = flops
         results[f"tp{dropping}_drops"] = result
+    for kind in ("gpt", "vit"):
+        for attention in ("sdpa", "local"):
+            model = build(kind, "resizable", 2, attention)
+            executor = ResizeExecutor(
+                model,
+                dp_rank=0,
+                tp_rank=layout.tp_rank,
+                dp_size=1,
+                tp_group=ps.get_tensor_model_parallel_group(),
+            )
+            executor.apply(MIXED_PLAN)
+            results[f"mixed_{kind}_{attention}"] = run(model, kind, before_gather=executor.before_step)
     ps.destroy_model_parallel()
 
 

@@ -106,13 +106,6 @@ def _validate_architecture(cfg: MegahetConfig) -> None:
             f"parallel.tp {p.tp} does not divide model.num_query_groups {groups}: each TP rank needs whole "
             f"key/value heads; use a TP size that divides {groups} or more query groups",
         )
-        resizable = cfg.resize.active or bool(cfg.device.profile) or cfg.balance.active
-        _require(
-            groups == heads or not resizable,
-            f"model.num_query_groups {groups} < model.num_attention_heads {heads} (grouped-query attention) "
-            f"cannot be resized or migrated yet: run it with balance.mode static, no resize.* and no "
-            f"device.profile, or with one key/value head per query head",
-        )
     if m.position_embedding_type == "rope":
         _require(m.rotary_base > 0, f"model.rotary_base must be positive, got {m.rotary_base}")
         head_dim = m.hidden_size // m.num_attention_heads

@@ -106,7 +106,7 @@ class ShardLayout:
         return self.gated and name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias"))
 
 
-def _merge_tp(parts: list[torch.Tensor], dim: int, gated: bool) -> torch.Tensor:
+def merge_tp_shards(parts: list[torch.Tensor], dim: int, gated: bool) -> torch.Tensor:
     """TP shards -> the unsharded tensor; gated fc1: [gate_0; up_0], [gate_1; up_1] -> [gates; ups]."""
     if not gated:
         return torch.cat(parts, dim=dim)
@@ -114,8 +114,8 @@ def _merge_tp(parts: list[torch.Tensor], dim: int, gated: bool) -> torch.Tensor:
     return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
 
 
-def _split_tp(tensor: torch.Tensor, tp: int, dim: int, gated: bool) -> list[torch.Tensor]:
-    """The inverse of _merge_tp."""
+def split_tp_shards(tensor: torch.Tensor, tp: int, dim: int, gated: bool) -> list[torch.Tensor]:
+    """The inverse of merge_tp_shards."""
     if not gated:
         return list(torch.chunk(tensor, tp, dim=dim))
     gate, up = (half.chunk(tp, dim=dim) for half in tensor.chunk(2, dim=dim))
@@ -231,7 +231,7 @@ def merge_shards(stages: list[list[dict]], layout: ShardLayout = ShardLayout()) 
                     )
                 out[full] = parts[0].clone()
             else:
-                out[full] = _merge_tp(parts, dim, layout.is_gated(full))
+                out[full] = merge_tp_shards(parts, dim, layout.is_gated(full))
         first_layer += len(local_layers)
     return out
 
@@ -283,7 +283,7 @@ def shard(
         dim = partition_dim(name) if torch.is_tensor(tensor) else None
         if dim is not None and tensor.shape[dim] % tp:
             raise ConfigError(f"{name}: dim {dim} of size {tensor.shape[dim]} cannot be split over TP={tp}")
-        parts = _split_tp(tensor, tp, dim, layout.is_gated(name)) if dim is not None else [tensor] * tp
+        parts = split_tp_shards(tensor, tp, dim, layout.is_gated(name)) if dim is not None else [tensor] * tp
         for stage, local in targets:
             for t in range(tp):
                 stages[stage][t][local] = parts[t].clone() if torch.is_tensor(parts[t]) else parts[t]

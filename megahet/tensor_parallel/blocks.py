@@ -8,13 +8,17 @@ Role: mechanism.
 A block knows how its units map onto parameters: an MLP unit is fc1 row u (+ bias u) and fc2
 column u (SwiGLU: fc1 rows u and F + u, its gate and up rows, of the rank's F units); an attention
 head h is linear_qkv rows [3*hn*h, 3*hn*(h+1)) (+ biases) and linear_proj columns [hn*h, hn*(h+1)).
+With grouped-query attention a unit is one query head (its q rows and proj columns), and the k/v rows
+of its group are `shared_params`: computed, moved and updated with the group while any of its heads is.
+Why per query head: at TP=8 a Llama rank holds one or two groups, so whole groups could not shift
+attention work finely; a head moves 1/r of a group's query work and its group's k/v (2 of r + 2 head
+rows) go along, recomputed by the helper from the input it already holds.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import numpy as np
 import torch
@@ -26,47 +30,9 @@ from megahet.tensor_parallel.layers import (
     ResizableSelfAttention,
 )
 from megahet.tensor_parallel.plan import BlockKey
+from megahet.tensor_parallel.units import GroupedUnitParam, UnitParam
 
-
-@dataclasses.dataclass(frozen=True, eq=False)  # identity semantics: a key in per-parameter dicts
-class UnitParam:
-    """A parameter whose slices along `dim` are work units of `width` elements each.
-
-    With `groups` > 1 the dim is laid out as (groups, units, width): SwiGLU's fc1 holds every unit's
-    gate row in its first half and its up row in the second (groups 2), so a unit is one row of each."""
-
-    param: torch.nn.Parameter
-    dim: int
-    width: int
-    groups: int = 1
-
-    def units(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A view of `tensor` (shaped like the parameter) with the unit axis first: (units, ...); with
-        groups, (units, ..., groups, width, ...)."""
-        if self.groups == 1:
-            return tensor.unflatten(self.dim, (-1, self.width)).movedim(self.dim, 0)
-        return tensor.unflatten(self.dim, (self.groups, -1, self.width)).movedim(self.dim + 1, 0)
-
-    def rows(self, units: torch.Tensor) -> torch.Tensor:
-        """Indexes along `dim` of the given units' elements (a device tensor in, on its device), in the
-        parameter's own order: per group, the units' rows."""
-        offsets = torch.arange(self.width, device=units.device)
-        rows = (units[:, None] * self.width + offsets).reshape(-1)  # (units * width,)
-        if self.groups == 1:
-            return rows
-        stride = self.param.shape[self.dim] // self.groups
-        return (torch.arange(self.groups, device=units.device)[:, None] * stride + rows).reshape(-1)
-
-    def offsets(self, units: np.ndarray) -> np.ndarray:
-        """Where the given units' elements sit in the flat parameter: host int64, computed from the shape
-        alone (no device tensor is read, so no synchronization)."""
-        shape = self.param.shape
-        before, after = math.prod(shape[: self.dim]), math.prod(shape[self.dim + 1 :])
-        rows = (np.asarray(units, np.int64)[:, None] * self.width + np.arange(self.width)).reshape(-1)
-        stride = shape[self.dim] // self.groups
-        rows = (np.arange(self.groups)[:, None] * stride + rows).reshape(-1)  # every group's rows
-        start = np.arange(before)[:, None, None] * (shape[self.dim] * after)  # (before, 1, 1)
-        return (start + rows[None, :, None] * after + np.arange(after)[None, None, :]).reshape(-1)
+__all__ = ["Block", "UnitParam", "find_blocks"]
 
 
 @dataclasses.dataclass
@@ -80,14 +46,45 @@ class Block:
     row_width: int
     column_groups: int = 1
     """SwiGLU: fc1 rows are [gates; ups], a unit one row of each (2); else 1."""
+    query_groups: int = 0
+    """Grouped-query attention: this rank's key/value groups, whose k/v rows its query-head units share
+    (0: nothing shared)."""
 
     @functools.cached_property  # built once: UnitParams key the executor's per-parameter dicts by identity
     def unit_params(self) -> list[UnitParam]:
-        params = [UnitParam(self.column.weight, 0, self.column_width, self.column_groups)]
-        if self.column.bias is not None:
-            params.append(UnitParam(self.column.bias, 0, self.column_width, self.column_groups))
+        """Each unit's own slices: column rows (+ bias), row columns."""
+        if self.query_groups:  # a query head: its q rows of linear_qkv, its proj columns
+            per_group = self.num_units // self.query_groups
+            params = [
+                GroupedUnitParam(p, 0, self.column_width, blocks=self.query_groups, count=per_group)
+                for p in (self.column.weight, self.column.bias)
+                if p is not None
+            ]
+        else:
+            params = [
+                UnitParam(p, 0, self.column_width, self.column_groups)
+                for p in (self.column.weight, self.column.bias)
+                if p is not None
+            ]
         params.append(UnitParam(self.row.weight, 1, self.row_width))
         return params
+
+    @functools.cached_property
+    def shared_params(self) -> list[UnitParam]:
+        """Grouped-query attention: each group's k/v rows of linear_qkv (+ bias), units = groups; else []."""
+        if not self.query_groups:
+            return []
+        per_group = self.num_units // self.query_groups
+        offset = per_group * self.column_width
+        return [
+            GroupedUnitParam(p, 0, 2 * self.column_width, blocks=self.query_groups, offset=offset)
+            for p in (self.column.weight, self.column.bias)
+            if p is not None
+        ]
+
+    def unit_group(self, units) -> np.ndarray:
+        """The key/value group of each unit (grouped-query attention)."""
+        return np.asarray(units, np.int64) // (self.num_units // max(self.query_groups, 1))
 
     def apply(self, kept: torch.Tensor | None) -> None:
         """Compute only `kept` units (sorted local indexes), or all of them when None."""
@@ -99,14 +96,25 @@ class Block:
         self.column.set_kept(None if kept is None else self.unit_params[0].rows(kept))
         self.row.set_kept(kept)
 
-    def set_guests(self, tensors: list[torch.Tensor] | None, num_units: int = 0) -> None:
-        """Compute `num_units` migrated-in units from `tensors` (laid out like `unit_params`), or none."""
+    def set_guests(
+        self, tensors: list[torch.Tensor] | None, num_units: int = 0, head_groups: torch.Tensor | None = None
+    ) -> None:
+        """Compute `num_units` migrated-in units from `tensors` (laid out like `unit_params`, then
+        `shared_params`), or none. Grouped-query attention: `head_groups`, each guest head's position
+        among the guest k/v groups."""
         column_w, column_b, row_w = None, None, None
         if tensors is not None:
-            column_w, row_w = tensors[0], tensors[-1]
-            column_b = tensors[1] if len(tensors) == 3 else None
+            own = tensors[: len(self.unit_params)]
+            column_w, row_w = own[0], own[-1]
+            column_b = own[1] if len(own) == 3 else None
+            if self.query_groups:  # guest rows: [guest q heads; guest k/v groups], joined per call
+                shared = tensors[len(self.unit_params) :]
+                column_w = (column_w, shared[0])
+                column_b = (column_b, shared[1]) if column_b is not None else None
         if self.attention is not None:
-            self.attention.set_guests(num_units if tensors is not None else 0, column_w, column_b, row_w)
+            self.attention.set_guests(
+                num_units if tensors is not None else 0, column_w, column_b, row_w, head_groups
+            )
             return
         self.column.set_guests(column_w, column_b)
         self.row.set_guests(row_w)
@@ -139,14 +147,16 @@ def find_blocks(model: torch.nn.Module) -> dict[BlockKey, Block]:
         attention, mlp = module.self_attention, module.mlp
         if isinstance(attention, ResizableSelfAttention):
             hn = attention.hidden_size_per_attention_head
+            gqa = attention.grouped
             blocks[("attn", module.layer_number)] = Block(
                 ("attn", module.layer_number),
                 attention.linear_qkv,
                 attention.linear_proj,
                 attention,
                 attention.num_local_heads,
-                3 * hn,
+                hn if gqa else 3 * hn,
                 hn,
+                query_groups=attention.num_local_groups if gqa else 0,
             )
         fc1 = getattr(mlp, "linear_fc1", None)
         if isinstance(fc1, ResizableColumnParallelLinear):

@@ -94,6 +94,9 @@ class ResizeExecutor:
         """Each replica's weight in the data-parallel mean: micro-batches per step (even: all alike)."""
         self.plan = ResizePlan()
         self._state: dict[BlockKey, _BlockState | None] = dict.fromkeys(self.blocks)
+        self._group_state: dict[BlockKey, _BlockState | None] = dict.fromkeys(self.blocks)
+        """Grouped-query attention: the state of the key/value groups (units = groups; a group is
+        computed while any of its heads is), which the groups' shared k/v rows follow."""
         self._last_grad: dict[UnitParam, torch.Tensor] = {}
         self._step_grad: dict[UnitParam, torch.Tensor] = {}
         self._frozen: list = []
@@ -112,12 +115,12 @@ class ResizeExecutor:
             if track_gradients:
                 for up, index in _sample_elements(block, score_samples).items():
                     self._sample_index[up] = _element_offsets(up, index)
-            for up in block.unit_params:
-                up.param.register_hook(self._make_hook(block.key, up))
+            for up in block.unit_params + block.shared_params:
+                up.param.register_hook(self._make_hook(block.key, up, up in block.shared_params))
                 if imputation == "same":
                     self._last_grad[up] = torch.zeros_like(up.param, dtype=torch.float32)
                     self._step_grad[up] = torch.zeros_like(up.param, dtype=torch.float32)
-                if track_gradients:
+                if track_gradients and up in self._sample_index:
                     samples = _take(up.param.detach(), up, self._sample_index[up])
                     self._sample_grad[up] = torch.zeros_like(samples, dtype=torch.float32)
         self.track_gradients = track_gradients
@@ -165,13 +168,31 @@ class ResizeExecutor:
                 raise ValueError(
                     f"plan leaves rank (dp {self.dp_rank}, tp {self.tp_rank}) no unit of block {key}"
                 )
+            device = block.column.weight.device
             if computed.all() and (counts == total).all():
                 self._state[key] = None
             else:
-                device = block.column.weight.device
                 self._state[key] = _BlockState.of(computed, counts, total, device)
+            self._group_state[key] = self._groups_of(block, plan, computed, device) if block.shared_params else None
         self._install(True)
         self.exchange.apply(plan)
+
+    def _groups_of(self, block: Block, plan: ResizePlan, computed: np.ndarray, device) -> _BlockState | None:
+        """Grouped-query attention: a group is computed here while one of its heads is, and counts for a
+        replica that drops only some of its heads."""
+        groups = block.unit_group(np.arange(block.num_units))  # (units,) each unit's group
+        computed_groups = np.zeros(block.query_groups, bool)
+        np.logical_or.at(computed_groups, groups, computed)
+        counts = np.zeros(block.query_groups)
+        for dp_rank, weight in enumerate(self.shares):
+            alive = np.ones(block.num_units, bool)
+            alive[list(plan.dropped(block.key, dp_rank, self.tp_rank))] = False
+            alive_groups = np.zeros(block.query_groups, bool)
+            np.logical_or.at(alive_groups, groups, alive)
+            counts += weight * alive_groups
+        if computed_groups.all() and (counts == sum(self.shares)).all():
+            return None
+        return _BlockState.of(computed_groups, counts, sum(self.shares), device)
 
     def _install(self, enabled: bool) -> None:
         """Set every block's executed units (and guests) from the current state, or the whole model."""
@@ -183,7 +204,7 @@ class ResizeExecutor:
     def last_gradients(self) -> dict[str, list[torch.Tensor]]:
         """The 'same' policy's remembered gradients, per block (in unit_params order)."""
         return {
-            block_name(key): [self._last_grad[up].clone() for up in block.unit_params]
+            block_name(key): [self._last_grad[up].clone() for up in block.unit_params + block.shared_params]
             for key, block in self.blocks.items()
             if block.unit_params[0] in self._last_grad
         }
@@ -191,7 +212,7 @@ class ResizeExecutor:
     def load_last_gradients(self, saved: dict[str, list[torch.Tensor]]) -> None:
         for name, tensors in saved.items():
             block = self.blocks[parse_block_name(name)]
-            for up, tensor in zip(block.unit_params, tensors):
+            for up, tensor in zip(block.unit_params + block.shared_params, tensors):
                 self._last_grad[up].copy_(tensor)
 
     @contextlib.contextmanager
@@ -203,9 +224,13 @@ class ResizeExecutor:
         finally:
             self._install(True)
 
-    def _make_hook(self, key: BlockKey, up: UnitParam):
+    def _make_hook(self, key: BlockKey, up: UnitParam, shared: bool):
+        """The gradient hook of one unit parameter (`shared`: a grouped-query block's k/v rows, whose units
+        are its groups)."""
+        states = self._group_state if shared else self._state
+
         def hook(grad: torch.Tensor) -> torch.Tensor:
-            state = self._state[key]
+            state = states[key]
             if up in self._step_grad:
                 self._step_grad[up] += grad.float()
             if up in self._sample_grad:
@@ -213,15 +238,13 @@ class ResizeExecutor:
             if state is None:
                 return grad
             grad = grad.clone()
-            units = up.units(grad)  # (units, ...)
             imputed = state.imputed
             if len(imputed) and self.imputation == "average":
-                units[imputed] = units[state.kept].mean(dim=0).to(grad.dtype)
+                mean = up.get(grad, state.kept).mean(dim=0)  # (...) the kept units' mean
+                up.set(grad, imputed, mean.expand(len(imputed), *mean.shape).to(grad.dtype))
             elif len(imputed) and self.imputation == "same":
-                units[imputed] = (up.units(self._last_grad[up])[imputed] / self.num_microbatches).to(
-                    grad.dtype
-                )
-            units.mul_(state.scale.to(grad.dtype).view(-1, *[1] * (units.dim() - 1)))
+                up.set(grad, imputed, (up.get(self._last_grad[up], imputed) / self.num_microbatches).to(grad.dtype))
+            up.scale_(grad, state.scale)
             return grad
 
         return hook
@@ -241,13 +264,13 @@ class ResizeExecutor:
         if self.imputation != "zero":
             return
         for key, block in self.blocks.items():
-            state = self._state[key]
-            if state is None or not len(state.imputed):
-                continue
-            for up in block.unit_params:
-                if up not in self._frozen_index:  # once per plan: a host-to-device copy syncs the stream
-                    self._frozen_index[up] = _FrozenSlice.indexes(up.param, up.offsets(state.imputed_units))
-                self._frozen.append(_FrozenSlice.capture(up.param, *self._frozen_index[up], optimizer))
+            for params, state in ((block.unit_params, self._state[key]), (block.shared_params, self._group_state[key])):
+                if state is None or not len(state.imputed):
+                    continue
+                for up in params:
+                    if up not in self._frozen_index:  # once per plan: a host-to-device copy syncs the stream
+                        self._frozen_index[up] = _FrozenSlice.indexes(up.param, up.offsets(state.imputed_units))
+                    self._frozen.append(_FrozenSlice.capture(up.param, *self._frozen_index[up], optimizer))
 
     def after_step(self, optimizer=None) -> None:
         """Restore frozen units; keep the step's unit gradients ('same' policy, statistics)."""
@@ -257,19 +280,19 @@ class ResizeExecutor:
         if self.exchange.active:
             self.exchange.bytes_last_step += self.exchange.push_weights()
         for key, block in self.blocks.items():
-            state = self._state[key]
-            keep = slice(None) if state is None else state.kept  # the units computed this step
             if self.track_gradients:
                 self.unit_gradients[key] = torch.cat(
                     [self._sample_grad[up] for up in block.unit_params], dim=1
                 )
                 for up in block.unit_params:
                     self._sample_grad[up].zero_()
-            for up in block.unit_params:
-                if up in self._last_grad:
-                    up.units(self._last_grad[up])[keep] = up.units(self._step_grad[up])[keep]
-                if up in self._step_grad:
-                    self._step_grad[up].zero_()
+            for params, state in ((block.unit_params, self._state[key]), (block.shared_params, self._group_state[key])):
+                keep = slice(None) if state is None else state.kept  # the units computed this step
+                for up in params:
+                    if up in self._last_grad:
+                        up.set(self._last_grad[up], keep, up.get(self._step_grad[up], keep))
+                    if up in self._step_grad:
+                        self._step_grad[up].zero_()
 
 
 def _sample_elements(block: Block, samples: int) -> dict[UnitParam, tuple | None]:
@@ -279,7 +302,7 @@ def _sample_elements(block: Block, samples: int) -> dict[UnitParam, tuple | None
     sample of coordinates is an unbiased estimate (up to the factor elements / samples, the same
     for every unit of the block) of the variance summed over all of them, so the units rank alike at
     a sliver of the memory and time."""
-    sizes = [up.units(up.param).shape[1:] for up in block.unit_params]
+    sizes = [up.element_shape for up in block.unit_params]
     numels = [int(np.prod(shape)) for shape in sizes]
     total = sum(numels)
     if samples <= 0 or samples >= total:
@@ -300,7 +323,7 @@ def _element_offsets(up: UnitParam, index: tuple | None) -> torch.Tensor | None:
         return None
     dtype = torch.int32 if up.param.numel() < 2**31 else torch.int64
     position = torch.arange(up.param.numel(), dtype=dtype, device=up.param.device).view(up.param.shape)
-    return up.units(position)[(slice(None), *index)]
+    return up.get(position, slice(None))[(slice(None), *index)]
 
 
 def _take(tensor: torch.Tensor, up: UnitParam, offsets: torch.Tensor | None) -> torch.Tensor:
@@ -308,7 +331,7 @@ def _take(tensor: torch.Tensor, up: UnitParam, offsets: torch.Tensor | None) -> 
     index_select on its flat view (advanced indexing of the unit view cost ~4x as much on CPU, as much
     as the layer's own GEMM at 1024 samples)."""
     if offsets is None:
-        return up.units(tensor).flatten(1).float()
+        return up.flat(tensor)
     return tensor.reshape(-1).index_select(0, offsets.view(-1)).view(offsets.shape).float()
 
 

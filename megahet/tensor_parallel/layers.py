@@ -74,6 +74,12 @@ def gather_units(weight: torch.Tensor, dim: int, index: torch.Tensor) -> torch.T
     return _GatherUnits.apply(weight, dim, index)
 
 
+def _joined(guests: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Guest rows given as parts (grouped-query attention: q heads, then k/v groups), joined at each call so
+    that the parts, which migration fills in place, stay the tensors the layer reads."""
+    return torch.cat(guests) if isinstance(guests, tuple) else guests
+
+
 def _append_rows(own: torch.Tensor, guests: torch.Tensor, groups: int) -> torch.Tensor:
     """Own rows then guest rows, within each of `groups` stacked halves: [own_g; guest_g] per group."""
     if groups == 1:
@@ -102,8 +108,9 @@ class ResizableColumnParallelLinear(ColumnParallelLinear):
         self.executed_flops = self.backward_flops = 0
         self.count_backward = False
 
-    def set_guests(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None) -> None:
-        """Rows of other ranks' units to compute after this rank's own (migration), or None."""
+    def set_guests(self, weight: torch.Tensor | tuple | None, bias: torch.Tensor | tuple | None = None) -> None:
+        """Rows of other ranks' units to compute after this rank's own (migration), or None; a tuple of
+        tensors is their rows in parts, joined at each call."""
         if weight is not None:
             _check_resizable(self)
         self.guest_weight, self.guest_bias = weight, bias
@@ -129,8 +136,8 @@ class ResizableColumnParallelLinear(ColumnParallelLinear):
         if bias is not None and self.kept is not None:
             bias = gather_units(bias, 0, self.kept)
         if self.guest_weight is not None:  # guests' input is the replicated x this rank already holds
-            w = _append_rows(w, self.guest_weight, self.unit_groups)  # (kept + guest rows, h)
-            bias = _append_rows(bias, self.guest_bias, self.unit_groups) if bias is not None else None
+            w = _append_rows(w, _joined(self.guest_weight), self.unit_groups)  # (kept + guest rows, h)
+            bias = _append_rows(bias, _joined(self.guest_bias), self.unit_groups) if bias is not None else None
         flops = 2 * _tokens(input_) * w.shape[0] * w.shape[1]
         self.executed_flops += flops
         out = F.linear(x, w, None if self.skip_bias_add else bias)  # (s, b, kept + guests)
@@ -185,27 +192,48 @@ class ResizableRowParallelLinear(RowParallelLinear):
 
 
 class ResizableSelfAttention(SelfAttention):
-    """megatron-core SelfAttention over a subset of this rank's heads (multi-head attention only)."""
+    """megatron-core SelfAttention over a subset of this rank's heads, plus guest heads (migration).
+
+    Multi-head attention: a head's [q, k, v] rows are one unit, and megatron-core's own split runs on
+    the narrower projection. Grouped-query attention: a unit is one query head; the k/v rows of every
+    group with a computed head are computed once, laid out as [own q | own k/v | guest q | guest k/v],
+    and each query head is paired with its group's k and v (`head_groups`) before core attention, which
+    then sees as many k/v heads as query heads. With nothing resized or migrated, megatron-core's own
+    forward runs unchanged.
+    """
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
-        if config.num_query_groups not in (None, config.num_attention_heads):
-            raise NotImplementedError(
-                "resizable attention needs multi-head attention (num_query_groups == heads)"
-            )
+        self.heads = self.num_attention_heads_per_partition
+        self.groups = self.num_query_groups_per_partition
         self.kept_heads: torch.Tensor | None = None
         self.guest_heads = 0  # heads of other ranks computed here (migration)
+        self.guest_head_groups: torch.Tensor | None = None  # (guest heads,) position among guest k/v groups
+        self.head_groups: torch.Tensor | None = None  # grouped, resized: (heads run,) row of its k/v
+        self.own_groups = 0  # grouped, resized: own k/v groups computed
         self.executed_flops = self.backward_flops = 0
         self.count_backward = False
 
     @property
     def num_local_heads(self) -> int:
-        return self.num_attention_heads_per_partition
+        return self.heads
+
+    @property
+    def num_local_groups(self) -> int:
+        return self.groups
+
+    @property
+    def grouped(self) -> bool:
+        """Grouped-query attention: fewer key/value groups than query heads on this rank."""
+        return self.groups < self.heads
 
     def set_kept(self, heads: torch.Tensor | None) -> None:
         """Local heads to run (sorted int64), or None for all; sets the projections' rows/columns."""
         self.kept_heads = heads
         hn = self.hidden_size_per_attention_head
+        if self.grouped:
+            self._arrange_grouped()
+            return
         if heads is None:
             self.linear_qkv.set_kept(None)
             self.linear_proj.set_kept(None)
@@ -214,6 +242,52 @@ class ResizableSelfAttention(SelfAttention):
         offsets = torch.arange(3 * hn, device=heads.device)
         self.linear_qkv.set_kept((heads[:, None] * 3 * hn + offsets).reshape(-1))  # (kept * 3 hn,)
         self.linear_proj.set_kept((heads[:, None] * hn + offsets[:hn]).reshape(-1))  # (kept * hn,)
+
+    def _arrange_grouped(self) -> None:
+        """Grouped-query attention: the qkv rows to compute, [kept q | their groups' k/v], and each run
+        head's k/v position (own groups first, then the guests'); megatron-core's layout when nothing
+        is resized or migrated."""
+        if self.kept_heads is None and not self.guest_heads:
+            self.linear_qkv.set_kept(None)
+            self.linear_proj.set_kept(None)
+            self.head_groups = None
+            return
+        device = self.linear_qkv.weight.device
+        hn, per_group = self.hidden_size_per_attention_head, self.heads // self.groups
+        heads = self.kept_heads if self.kept_heads is not None else torch.arange(self.heads, device=device)
+        groups = heads // per_group  # (kept,) each head's group
+        needed = torch.unique(groups)  # sorted: the groups whose k/v this rank computes (once per plan)
+        period = (per_group + 2) * hn  # per group: [q_0 .. q_{r-1}, k, v] heads of hn rows
+        span = torch.arange(hn, device=device)
+        q_rows = (groups[:, None] * period + heads[:, None] % per_group * hn + span).reshape(-1)
+        kv_rows = (needed[:, None] * period + per_group * hn + torch.arange(2 * hn, device=device)).reshape(-1)
+        self.linear_qkv.set_kept(torch.cat([q_rows, kv_rows]))  # (kept hn + needed 2 hn,)
+        kept = self.kept_heads is not None
+        self.linear_proj.set_kept((heads[:, None] * hn + span).reshape(-1) if kept else None)
+        self.own_groups = len(needed)
+        own = torch.searchsorted(needed, groups)  # (kept,) position of each head's group
+        guests = self.guest_head_groups
+        self.head_groups = own if guests is None else torch.cat([own, guests + len(needed)])
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
+        if self.head_groups is None:
+            return super().get_query_key_value_tensors(hidden_states, key_value_states, output_gate, split_qkv)
+        if output_gate or not split_qkv:
+            raise NotImplementedError("resized grouped-query attention needs split q, k, v without a gate")
+        mixed, _ = self.linear_qkv(hidden_states)  # (s, b, [own q | own k/v | guest q | guest k/v])
+        hn = self.hidden_size_per_attention_head
+        own_q = (len(self.head_groups) - self.guest_heads) * hn
+        sizes = [own_q, 2 * hn * self.own_groups, self.guest_heads * hn]
+        own_q, own_kv, guest_q, guest_kv = torch.split(mixed, [*sizes, mixed.shape[-1] - sum(sizes)], dim=-1)
+        query = torch.cat([own_q, guest_q], dim=-1).unflatten(-1, (-1, hn))  # (s, b, heads, hn)
+        kv = torch.cat([own_kv, guest_kv], dim=-1).unflatten(-1, (-1, 2, hn))  # (s, b, groups, 2, hn)
+        key = kv[..., 0, :].index_select(2, self.head_groups)  # (s, b, heads, hn)
+        value = kv[..., 1, :].index_select(2, self.head_groups)  # (s, b, heads, hn)
+        if self.q_layernorm is not None:
+            query = self.q_layernorm(query)
+        if self.k_layernorm is not None:
+            key = self.k_layernorm(key)
+        return query, key, value
 
     @contextlib.contextmanager
     def _running_heads(self, n: int):
@@ -241,11 +315,15 @@ class ResizableSelfAttention(SelfAttention):
                 core.hidden_size_per_partition,
             ) = saved
 
-    def set_guests(self, num_heads: int, qkv=None, qkv_bias=None, proj=None) -> None:
-        """Run `num_heads` other ranks' heads after this rank's own, from the given weights."""
+    def set_guests(self, num_heads: int, qkv=None, qkv_bias=None, proj=None, head_groups=None) -> None:
+        """Run `num_heads` other ranks' heads after this rank's own, from the given weights (grouped-query
+        attention: q rows then k/v rows, and each guest head's position among the guest k/v groups)."""
         self.guest_heads = num_heads
+        self.guest_head_groups = head_groups if num_heads else None
         self.linear_qkv.set_guests(qkv, qkv_bias)
         self.linear_proj.set_guests(proj)
+        if self.grouped:
+            self._arrange_grouped()
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         own = self.num_local_heads if self.kept_heads is None else len(self.kept_heads)

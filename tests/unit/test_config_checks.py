@@ -196,9 +196,3 @@ def test_unknown_architecture_values_are_config_errors() -> None:
         with pytest.raises(ConfigError, match=key):
             _cfg(**{key: value})
 
-
-def test_resizing_grouped_query_attention_is_refused_before_ranks_start() -> None:
-    gqa = {"model.num_query_groups": 2}
-    assert validate(_cfg(**gqa), 1) == 1
-    for extra in ({"balance.mode": "semi"}, {"resize.gamma": "0:0.2"}, {"device.profile": "static:1"}):
-        _invalid(_cfg(**gqa, **extra), 1, "model.num_query_groups 2", "resized or migrated")

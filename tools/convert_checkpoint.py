@@ -32,12 +32,11 @@ from megahet.checkpointing.checkpoint import describe_layout
 from megahet.checkpointing.convert import (
     checkpoint_tokenizer,
     consolidate,
-    export_hf,
-    export_vit,
     find_checkpoint,
     model_settings,
     reshard,
 )
+from megahet.checkpointing.hf_export import export_hf, export_vit
 from megahet.config import ConfigError, load_config
 
 

@@ -128,7 +128,7 @@ def test_tp2_pp2_checkpoint_consolidates_and_exports(trained, world1):
 def test_vit_export_reproduces_the_trained_logits(trained, world1):
     import dataclasses
 
-    from megahet.checkpointing.convert import load_vit_export
+    from megahet.checkpointing.hf_export import load_vit_export
     from megahet.config import MegahetConfig
     from megahet.models.vit import build_vit
 

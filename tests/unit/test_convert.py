@@ -32,7 +32,6 @@ from megahet.checkpointing.convert import (
     check_reshard,
     checkpoint_tokenizer,
     consolidate,
-    export_hf,
     merge_shards,
     model_states_file,
     repad_vocab,
@@ -40,6 +39,7 @@ from megahet.checkpointing.convert import (
     resharded_vocab_rows,
     shard,
 )
+from megahet.checkpointing.hf_export import export_hf
 from megahet.config import ConfigError, ModelConfig, load_config
 from megahet.data.tokenizer import SentencePieceTokenizer
 
@@ -210,7 +210,7 @@ def test_cli(gpt, lm, spm_model, tmp_path, capsys):
 
 
 def test_vit_export_round_trip(world1, tmp_path):
-    from megahet.checkpointing.convert import export_vit, load_vit_export
+    from megahet.checkpointing.hf_export import export_vit, load_vit_export
     from megahet.config import MegahetConfig
     from megahet.models.vit import build_vit
 

@@ -15,9 +15,19 @@ optimizer steps so that all three see the same machine:
 - `megahet+balancer`: the SEMI balancer running (measuring and a planning decision every step) on a
   healthy device: what measuring and deciding cost.
 
-MFU = model FLOPs per step (Megatron's count: 3 x forward matmuls incl. attention scores and logits, no
-recompute) / step time / the bf16 matrix rate measured here first (8192^3 products). On CPU (no GPU) it
-runs fp32 as a smoke test of the script. Writes benchmarks/results/gpu_throughput.{md,json}.
+`--arch llama` trains the Llama shape instead (rotary positions, RMSNorm, SwiGLU with `--ffn`, `--groups`
+key/value heads, untied output layer, no biases), e.g. the 0.6 B model of examples/gpu:
+
+    python benchmarks/gpu_throughput.py --arch llama --layers 24 --hidden 1536 --heads 12 --groups 4 \
+        --ffn 4096 --seq 2048 --micro 4 --accum 2 --profile --name gpu_throughput_llama
+
+Model FLOPs per step (Megatron's count, no recompute): 3 x tokens x (layers x [4 h^2 + 4 h kv + 2 h ffn x
+(3 SwiGLU | 2 GELU) + 2 s h] + 2 h V), kv = h x groups / heads, the attention term the causal half flash
+attention computes (megahet/policy/flops.py). MFU is taken against the card's dense bf16 spec peak
+(989 TFLOP/s, H100 / H200 SXM: `mfu_spec`) and against the matrix rate measured here first (8192^3
+products: `mfu_measured`). `--profile` adds one megahet step under torch.profiler, its top kernels by
+device time. On CPU (no GPU) it runs fp32 as a smoke test of the script. Writes
+benchmarks/results/<name>.{md,json}.
 """
 
 from __future__ import annotations
@@ -38,16 +48,22 @@ import pretrain_gpt
 from benchmarks.common import save_results
 from megahet.config import load_config
 from megahet.platform import cuda_available, device, synchronize
+from megahet.policy.flops import output_layer_flops, transformer_layer_flops
 from megahet.training import setup
 
+SPEC_PEAK_TFLOPS = 989.0  # dense bf16, H100 and H200 SXM (the card's datasheet; MFU's denominator)
 
-def model_flops_per_step(layers: int, hidden: int, ffn: int, seq: int, vocab: int, tokens: int) -> float:
-    """Training FLOPs of one step without recompute: 3 x the forward's matmuls (QKV, projection, both MLP
-    linears, attention scores and values over the full s x s, logits), as Megatron counts them."""
-    per_token_forward = layers * (
-        2 * hidden * 3 * hidden + 2 * hidden * hidden + 4 * hidden * ffn + 4 * seq * hidden
-    )
-    return 3.0 * tokens * (per_token_forward + 2 * hidden * vocab)
+
+def model_flops_per_step(cfg, vocab: int, tokens: int) -> float:
+    """Training FLOPs of one step without recompute: 3 x the forward's matmuls per token
+    (megahet.policy.flops: Q, K/V and output projections, the MLP's 2 or 3 matrices, attention scores and
+    values over the causal half of s x s that flash / cuDNN compute, logits), as Megatron counts them."""
+    m = cfg.model
+    layer = transformer_layer_flops(
+        m.hidden_size, m.ffn_size, m.seq_length, heads=m.num_attention_heads, query_groups=m.query_groups,
+        gated=m.activation == "swiglu", causal=True,
+    )  # fmt: skip
+    return 3.0 * tokens * (m.num_layers * layer + output_layer_flops(m.hidden_size, vocab))
 
 
 def matmul_rate(size: int = 8192, repeats: int = 10) -> float:
@@ -79,7 +95,8 @@ def mcore_step_fn(cfg, vocab_size: int, accum: int):
     from megahet.models.common import local_layer_spec
     from megahet.models.gpt import build_gpt
 
-    model = build_gpt(cfg, vocab_size, local_layer_spec()).to(device())
+    spec = local_layer_spec(attention=cfg.model.attention, normalization=cfg.model.normalization)
+    model = build_gpt(cfg, vocab_size, spec).to(device())
     if cfg.train.precision == "bf16":  # as megatron's get_model does: bf16 params, fp32 in/out casts
         model = Float16Module(model.config, model)
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
@@ -120,9 +137,22 @@ def megahet_step_fn(args, extra: list[str]):
     return trainer.train_step, type(trainer.engine.optimizer.optimizer).__name__, cfg, params
 
 
+LLAMA = {
+    "model.position_embedding_type": "rope", "model.normalization": "RMSNorm", "model.activation": "swiglu",
+    "model.untie_embeddings_and_output_weights": "true", "model.add_bias_linear": "false",
+    "model.rotary_base": 500000,
+}  # fmt: skip
+
+
 def base_args(args) -> list[str]:
     precision = "bf16" if cuda_available() else "fp32"
+    arch = dict(LLAMA) if getattr(args, "arch", "gpt") == "llama" else {}
+    if getattr(args, "groups", 0):
+        arch["model.num_query_groups"] = args.groups
+    if getattr(args, "ffn", 0):
+        arch["model.ffn_hidden_size"] = args.ffn
     values = {
+        **arch, "model.attention": getattr(args, "attention", "sdpa"),
         "model.num_layers": args.layers, "model.hidden_size": args.hidden, "model.num_attention_heads": args.heads,
         "model.seq_length": args.seq, "train.precision": precision, "train.micro_batch_size": args.micro,
         "train.global_batch_size": args.micro * args.accum, "train.train_iters": 10**6,
@@ -150,10 +180,40 @@ def model_parser(description: str, layers: int, seq: int, micro: int, accum: int
     return parser
 
 
+def profile_step(step, top: int = 15) -> list[dict]:
+    """One step under torch.profiler: the `top` kernels by self device time (CPU time without a GPU),
+    with their share of the step, so the gaps between compute kernels are named."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda_available() else [])
+    with profile(activities=activities) as prof:
+        step()
+        synchronize()
+    key = "self_device_time_total" if cuda_available() else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
+    total = sum(getattr(e, key) for e in events) or 1.0
+    events.sort(key=lambda e: -getattr(e, key))
+    return [
+        {
+            "kernel": e.key[:90],
+            "calls": e.count,
+            "ms": getattr(e, key) / 1e3,
+            "share": getattr(e, key) / total,
+        }
+        for e in events[:top]
+    ]
+
+
 def main() -> None:
     parser = model_parser(__doc__.split("\n")[0], layers=24, seq=2048, micro=4, accum=2)
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per timed block")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--arch", choices=["gpt", "llama"], default="gpt")
+    parser.add_argument("--groups", type=int, default=0, help="key/value heads (0: one per head)")
+    parser.add_argument("--ffn", type=int, default=0, help="MLP units (0: 4 x hidden)")
+    parser.add_argument("--attention", choices=["sdpa", "local"], default="sdpa")
+    parser.add_argument("--profile", action="store_true", help="also profile one megahet step")
+    parser.add_argument("--name", default="gpu_throughput", help="results file name")
     args = parser.parse_args()
 
     runs = {}
@@ -176,16 +236,17 @@ def main() -> None:
 
     padded = padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, 1)
     tokens = args.micro * args.accum * args.seq
-    flops = model_flops_per_step(args.layers, args.hidden, cfg.model.ffn_size, args.seq, padded, tokens)
+    flops = model_flops_per_step(cfg, padded, tokens)
     peak = matmul_rate() if cuda_available() else float("nan")
+    spec_peak = SPEC_PEAK_TFLOPS * 1e12 if cuda_available() else float("nan")
     rows = []
     reference = statistics.median(seconds["mcore"]) if "mcore" in seconds else float("nan")
     for name, samples in seconds.items():
         step_s = statistics.median(samples)
         rows.append({
             "system": name, "step_s": step_s, "tokens_per_s": tokens / step_s,
-            "tflops_per_s": flops / step_s / 1e12, "mfu": flops / step_s / peak,
-            "vs_mcore": reference / step_s,
+            "tflops_per_s": flops / step_s / 1e12, "mfu_spec": flops / step_s / spec_peak,
+            "mfu_measured": flops / step_s / peak, "vs_mcore": reference / step_s,
         })  # fmt: skip
     meta = {
         "layers": args.layers, "hidden": args.hidden, "heads": args.heads, "seq": args.seq, "micro": args.micro,
@@ -193,11 +254,14 @@ def main() -> None:
         "matmul_tflops_measured": peak / 1e12, "rounds": args.rounds, "steps_per_block": args.steps,
         "device": torch.cuda.get_device_name() if cuda_available() else "cpu", "torch": torch.__version__,
         "precision": cfg.train.precision, "optimizers": {"megahet": megahet_opt, "mcore": mcore_opt},
-        "block_seconds": seconds, "parameters": params,
+        "block_seconds": seconds, "parameters": params, "arch": args.arch, "attention": args.attention,
+        "query_groups": cfg.model.query_groups, "ffn": cfg.model.ffn_size, "spec_peak_tflops": SPEC_PEAK_TFLOPS,
+        "flops_formula": "3 x tokens x (layers x [4h^2 + 4h kv + 2h ffn (3 SwiGLU, 2 GELU) + 2 s h] + 2 h V)",
     }  # fmt: skip
-    save_results(
-        "gpu_throughput", rows, ["system", "step_s", "tokens_per_s", "tflops_per_s", "mfu", "vs_mcore"], meta
-    )
+    if args.profile:
+        meta["profile_top_kernels"] = profile_step(runs["megahet"])
+    columns = ["system", "step_s", "tokens_per_s", "tflops_per_s", "mfu_spec", "mfu_measured", "vs_mcore"]
+    save_results(args.name, rows, columns, meta)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,9 @@ class ModelConfig:
     """GPT positions: learned_absolute (GPT-2) or rope (rotary, Llama); ViT always learns its positions."""
     rotary_base: int = 10000
     """rope: the rotary base theta (Llama 2: 10000, Llama 3: 500000)."""
+    rotary_interleaved: bool = False
+    """rope: rotate channel pairs (2i, 2i+1) (Meta's original Llama layout) instead of halves (i, i + d/2)
+    (Hugging Face's and megatron-core's default); export-hf converts either."""
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     """LayerNorm (GPT-2, ViT) or RMSNorm (Llama), for every norm of the model."""
     activation: Literal["gelu", "swiglu"] = "gelu"
@@ -171,9 +174,10 @@ class ResizeConfig:
     to helpers of its TP group (default all others); 'DP.TP:...' for one DP replica. Needs ZeRO-1."""
     block_gamma: str | None = None
     """Per-block overrides for resized ranks: 'mlp:LAYER=GAMMA,attn:LAYER=GAMMA' (global 1-based layers)."""
-    unit_multiple: int = 1
-    """A resized MLP keeps a multiple of this many units (rounded up): 8 or 64 on GPUs, whose GEMMs fall
-    off the tensor-core path at widths that are not multiples of 8 (examples/gpu set 64)."""
+    unit_multiple: int | None = None
+    """A resized MLP keeps, and a migrated MLP chunk moves, a multiple of this many units: GPU GEMMs fall off
+    the tensor-core path at widths that are not multiples of 8 (64 is faster still; examples/gpu set it).
+    None: 8 on CUDA, 1 (no rounding) on CPU."""
     imputation: Literal["zero", "same", "average"] = "zero"
     """Gradient of units no replica computed: zero (frozen), same (last measured), average (mean of kept)."""
     selection: Literal["random", "priority"] = "priority"

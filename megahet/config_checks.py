@@ -229,7 +229,7 @@ def _validate_resize(cfg: MegahetConfig, dp: int) -> None:
     )
     _require(r.reselect_interval > 0, f"resize.reselect_interval must be positive, got {r.reselect_interval}")
     _require(
-        r.unit_multiple >= 1,
+        r.unit_multiple is None or r.unit_multiple >= 1,
         f"resize.unit_multiple must be >= 1 (1 = no rounding; 8 or 64 on GPUs), got {r.unit_multiple}",
     )
     _require(r.max_drop_steps > 0, f"resize.max_drop_steps must be positive, got {r.max_drop_steps}")

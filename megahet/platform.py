@@ -33,6 +33,13 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def unit_multiple(configured: int | None) -> int:
+    """resize.unit_multiple as set, else 8 on CUDA (tensor-core GEMM widths) and 1 on CPU."""
+    if configured is not None:
+        return configured
+    return 8 if cuda_available() else 1
+
+
 def device() -> torch.device:
     """The device this process computes on: its local GPU, else the CPU."""
     if cuda_available():

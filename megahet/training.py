@@ -211,9 +211,10 @@ class Trainer:
         self.engine.zero_grad()
         return self._run_schedule(self.task.train_data, self.num_microbatches, forward_only=False)
 
-    def train_step(self) -> dict[str, float]:
+    def train_step(self, sync: bool = True) -> dict[str, float]:
         """One optimizer step; returns {loss, lr, grad_norm, step_time_s, compute_s, wait_s, hooks_s}
-        (loss on the last stage)."""
+        (loss on the last stage). With sync=False the loss and grad norm stay device tensors, so that the
+        host does not wait for the GPU every step: train() reads them only when it logs (`as_floats`)."""
         t0 = self.step_t0 = time.perf_counter()
         self.hooks_s = 0.0
         self.clock.read()  # drop what evaluation measured
@@ -231,15 +232,16 @@ class Trainer:
         self.iteration += 1
         loss = _mean_over_dp([out["loss"] for out in outputs], sum(self.shares)) if outputs else float("nan")
         grad_norm = self.engine.get_global_grad_norm()
-        return {
+        record = {
             "loss": loss,
             "lr": self.engine.get_lr()[0],
-            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "grad_norm": grad_norm if grad_norm is not None else float("nan"),
             "step_time_s": time.perf_counter() - t0,
             "compute_s": self.times.compute_s,
             "wait_s": self.times.wait_s,
             "hooks_s": self.hooks_s,
         }
+        return as_floats(record) if sync else record
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -263,11 +265,13 @@ class Trainer:
         t = self.cfg.train
         history, window = [], []
         while self.iteration < t.train_iters and self.pending_split is None:
-            record = self.train_step()
+            record = self.train_step(sync=False)
             history.append(record)
             window.append(record)
             last = self.iteration == t.train_iters or self.pending_split is not None
             if self.iteration % t.log_interval == 0 or last:
+                for item in window:  # the only host reads of the loss and grad norm, once per log line
+                    as_floats(item)
                 self.logger.log(self.iteration, self._interval_metrics(window))
                 window = []
             if self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters:
@@ -318,12 +322,20 @@ def min_max_over_ranks(values: dict[str, float]) -> dict[str, tuple[float, float
     return {key: (-float(both[2 * i]), float(both[2 * i + 1])) for i, key in enumerate(values)}
 
 
-def _mean_over_dp(values: list[torch.Tensor], num_microbatches: int) -> float:
+def _mean_over_dp(values: list[torch.Tensor], num_microbatches: int) -> torch.Tensor:
     """The mean of every replica's micro-batch values over the global batch's `num_microbatches` (the
-    replicas may hold different numbers of them)."""
+    replicas may hold different numbers of them): a 0-dim tensor, not read back to the host."""
     total = torch.stack([v.detach().float() for v in values]).sum()
     dist.all_reduce(total, group=ps.get_data_parallel_group())
-    return float(total) / num_microbatches
+    return total / num_microbatches
+
+
+def as_floats(record: dict) -> dict:
+    """A step record's tensors (loss, grad norm) as Python floats, in place; returns the record."""
+    for key, value in record.items():
+        if torch.is_tensor(value):
+            record[key] = float(value)
+    return record
 
 
 def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:

@@ -9,6 +9,7 @@
 - Migration on CUDA: guest copies, receive buffers and everything sent point to point live on the
   GPU (the two-rank numerics are covered on CPU; NCCL refuses two ranks on one GPU).
 - The CUDA-event clock: it measures a GEMM region as CUDA events do, and a step never synchronizes.
+- SDPA core attention runs a fused kernel (flash or cuDNN) for multi-head and grouped-query attention.
 
 Run on a GPU machine: ``python -m pytest -m gpu tests -q`` (a few minutes).
 """
@@ -141,3 +142,36 @@ def test_cuda_event_clock_times_a_region_without_synchronizing(monkeypatch) -> N
     compute, wait, _ = clock.read()
     assert wait == 0
     assert compute == pytest.approx(start.elapsed_time(end) / 1e3, rel=0.1)
+
+
+@pytest.mark.parametrize("groups", [8, 2], ids=["mha", "gqa"])
+def test_sdpa_core_attention_takes_a_fused_gpu_kernel(world1, groups: int) -> None:
+    """model.attention sdpa must run flash or cuDNN attention on the GPU (causal, bf16), for multi-head and
+    grouped-query attention, and compute causal softmax attention (an fp32 reference, bf16 tolerance)."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from test_attention import _cfg
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megahet.models.attention import SDPACoreAttention
+    from megahet.models.common import transformer_config
+
+    cfg = _cfg(**{"model.hidden_size": 512, "model.num_attention_heads": 8, "model.num_query_groups": groups,
+                  "train.precision": "bf16"})  # fmt: skip
+    core = SDPACoreAttention(transformer_config(cfg), 1, AttnMaskType.causal, "self").cuda()
+    s, b, hn = 512, 2, 64
+    q = torch.randn(s, b, 8, hn, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(s, b, groups, hn, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    fused = {}
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+        try:
+            with sdpa_kernel([backend]):
+                fused[backend.name] = core(q, k, v, None)
+        except RuntimeError:
+            continue
+    assert fused, "neither the flash nor the cuDNN kernel ran SDPA core attention"
+    r = 8 // groups
+    scores = torch.einsum("sbhd,tbhd->bhst", q.float(), k.repeat_interleave(r, 2).float()) / hn**0.5
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+    reference = torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), v.repeat_interleave(r, 2).float())
+    for name, out in fused.items():
+        torch.testing.assert_close(out.float(), reference.reshape(s, b, -1), rtol=2e-2, atol=2e-2, msg=name)

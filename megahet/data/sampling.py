@@ -33,8 +33,11 @@ def _collate(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device | None = None) -> dict[str, torch.Tensor]:
     """The batch's tensors on `device` (default: this process's GPU, else the CPU), as megatron's
-    get_batch does with `.cuda(non_blocking=True)`; the model and its loss live there."""
+    get_batch does with `.cuda(non_blocking=True)`; the model and its loss live there. A GPU copy starts
+    from pinned host memory, so that it runs asynchronously and the host can run ahead."""
     device = process_device() if device is None else device
+    if device.type == "cuda":
+        return {key: value.pin_memory().to(device, non_blocking=True) for key, value in batch.items()}
     return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
 
 

@@ -89,6 +89,7 @@ def transformer_config(cfg: MegahetConfig) -> TransformerConfig:
         bias_dropout_fusion=fused,
         persist_layer_norm=False,
         apply_rope_fusion=False,
+        rotary_interleaved=m.rotary_interleaved,
     )
 
 

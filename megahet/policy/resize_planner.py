@@ -131,13 +131,16 @@ def parse_migrations(
 def plan_migration(
     block_units: Mapping[BlockKey, int],
     moves: Mapping[RankKey, tuple[float, tuple[int, ...]] | Mapping[int, float]],
+    mlp_multiple: int = 1,
 ) -> dict[BlockKey, dict[RankKey, dict[int, tuple[int, ...]]]]:
     """An owner's highest units, in contiguous chunks per helper (in helper order).
 
     A move is (fraction, helpers) — floor(fraction * units) split evenly — or {helper: fraction of the
     owner's units} (a balancer's target, rounded to whole units by `balanced_counts`). Which units
     move does not matter for the result (migration is lossless); contiguous chunks keep the messages
-    simple. At least one unit stays with the owner.
+    simple. At least one unit stays with the owner. With `mlp_multiple` m > 1 (and a multiple of m
+    units per rank), every MLP chunk is a multiple of m units (`round_to_multiple`), so the owner's kept
+    width and each helper's own-plus-guest width stay multiples of m (GEMM widths on the tensor-core path).
     """
     explicit = {rank: move for rank, move in moves.items() if isinstance(move, tuple)}
     targets = {rank: move for rank, move in moves.items() if not isinstance(move, tuple)}
@@ -147,6 +150,8 @@ def plan_migration(
         for dp in sorted({dp for dp, _ in targets}):
             group = {tp: move for (d, tp), move in targets.items() if d == dp}
             counts.update({(dp, tp): c for tp, c in balanced_counts(num_units, group).items()})
+        if block[0] == "mlp":
+            counts = {rank: round_to_multiple(c, num_units, mlp_multiple) for rank, c in counts.items()}
         entry = {}
         for rank, per_helper in sorted(counts.items()):
             start, split = num_units - sum(per_helper.values()), {}
@@ -158,6 +163,19 @@ def plan_migration(
                 entry[rank] = split
         migrated[block] = entry
     return migrated
+
+
+def round_to_multiple(per_helper: Mapping[int, int], num_units: int, multiple: int) -> dict[int, int]:
+    """Units sent to each helper rounded to the nearest multiple of `multiple` (halves up), the owner
+    keeping at least `multiple` (the largest chunks shrink first); unchanged when `num_units` is not a
+    multiple of it (no rounding could then keep every width a multiple)."""
+    if multiple <= 1 or num_units % multiple:
+        return dict(per_helper)
+    out = {h: multiple * math.floor(n / multiple + 0.5) for h, n in per_helper.items()}
+    while sum(out.values()) > num_units - multiple:
+        largest = max(out, key=lambda h: (out[h], -h))
+        out[largest] -= multiple
+    return out
 
 
 def _helper_counts(num_units: int, move: tuple[float, tuple[int, ...]]) -> dict[int, int]:

@@ -27,6 +27,8 @@ import itertools
 import math
 from collections.abc import Sequence
 
+from megahet.policy.flops import output_layer_flops, transformer_layer_flops
+
 
 def parse_stage_layers(text: str, num_layers: int, pp: int) -> tuple[int, ...]:
     """'L0,L1,...' -> layers per stage, checked by `check_split`. Raises ValueError naming the fix."""
@@ -181,15 +183,16 @@ def declared_stage_times(
 
 
 def model_extra_layers(
-    hidden: int, ffn: int, seq_length: int, vocab: int, pp: int, head: str = "lm"
+    hidden: int, ffn: int, seq_length: int, vocab: int, pp: int, head: str = "lm", **layer
 ) -> list[float]:
-    """The first and last stages' extra work in transformer layers, by matmul FLOPs per token: a layer
-    is 8 h^2 (QKV + projection) + 4 h ffn (MLP) + 4 s h (attention scores and values); a language model's
-    output layer is 2 h V (its embedding lookup is free); a classifier's head ("cls") is negligible."""
-    layer = 8 * hidden * hidden + 4 * hidden * ffn + 4 * seq_length * hidden
+    """The first and last stages' extra work in transformer layers, by matmul FLOPs per token
+    (megahet.policy.flops; `layer`: its heads, query_groups, gated, causal): a GPT-2 layer is 8 h^2
+    (QKV + projection) + 4 h ffn (MLP) + 4 s h (attention scores and values); a language model's output
+    layer is 2 h V (its embedding lookup is free); a classifier's head ("cls") is negligible."""
+    per_layer = transformer_layer_flops(hidden, ffn, seq_length, **layer)
     extra = [0.0] * pp
     if head == "lm":
-        extra[-1] += 2 * hidden * vocab / layer
+        extra[-1] += output_layer_flops(hidden, vocab) / per_layer
     return extra
 
 

@@ -150,9 +150,15 @@ class ResizeController(StepHook):
             self._replan = False
             if self.executor.track_gradients:
                 self._gather_scores()
-            self._migrated = plan_migration(self.units, self.moves)
+            self._migrated = plan_migration(
+                self.units, self.moves, platform.unit_multiple(self.cfg.unit_multiple)
+            )
             dropped = plan_resize(
-                self.units, self.gammas, self._choose, self.overrides, self.cfg.unit_multiple
+                self.units,
+                self.gammas,
+                self._choose,
+                self.overrides,
+                platform.unit_multiple(self.cfg.unit_multiple),
             ).blocks
             self.executor.apply(ResizePlan(dropped, self._migrated))
 
@@ -166,7 +172,7 @@ class ResizeController(StepHook):
             if self.executor.track_gradients:
                 grad = self.executor.unit_gradients[block]  # (units, elements), on the device
                 stats = self.stats.get(block) or GradientStats.empty(n, grad.shape[1], grad.device)
-                computed = self.executor.computed_units(block)
+                computed = self.executor.computed_mask(block)  # (units,) bool, on the device
                 weight = self.executor.unit_weights.get(block)  # (units, elements)
                 self.stats[block] = update_gradient_stats(stats, grad, computed, self.cfg.score_decay, weight)
             for rank in self.gammas:

@@ -45,7 +45,8 @@ def declared_split(cfg: MegahetConfig, world_size: int, vocab_size: int | None) 
     tp_balanced = cfg.balance.mode != "static"  # a TP balancer runs each stage's group at its mean speed
     per_stage = stage_speeds(dict(zip(coords, speeds)), p.pp, tp_balanced=tp_balanced)
     head = "lm" if vocab_size is not None else "cls"
-    extra = model_extra_layers(m.hidden_size, m.ffn_size, m.seq_length, vocab_size or 0, p.pp, head)
+    shape = {"heads": m.num_attention_heads, "query_groups": m.query_groups, "gated": m.activation == "swiglu"}
+    extra = model_extra_layers(m.hidden_size, m.ffn_size, m.seq_length, vocab_size or 0, p.pp, head, **shape)
     layer_s, extra_s = declared_stage_times(per_stage, extra)
     return best_split(layer_s, extra_s, m.num_layers)
 

@@ -54,6 +54,7 @@ class _BlockState:
     kept: torch.Tensor  # (computed units,) int64 on the device: the units this rank computes
     imputed: torch.Tensor  # (units no replica computes,) int64 on the device
     scale: torch.Tensor  # (units,) float32 on the device: D / k_u (M / N_u) where 0 < k_u, else 1
+    computed_mask: torch.Tensor  # (units,) bool on the device: `computed`, for the statistics
 
     @classmethod
     def of(cls, computed: np.ndarray, counts: np.ndarray, total: int, device: torch.device) -> _BlockState:
@@ -66,6 +67,7 @@ class _BlockState:
             torch.from_numpy(np.flatnonzero(computed)).to(device),
             torch.from_numpy(imputed).to(device),
             torch.from_numpy(scale).float().to(device),
+            torch.from_numpy(computed).to(device),
         )
 
 
@@ -94,6 +96,7 @@ class ResizeExecutor:
         """Each replica's weight in the data-parallel mean: micro-batches per step (even: all alike)."""
         self.plan = ResizePlan()
         self._state: dict[BlockKey, _BlockState | None] = dict.fromkeys(self.blocks)
+        self._all_computed: dict[BlockKey, torch.Tensor] = {}  # computed_mask of an unresized block
         self._group_state: dict[BlockKey, _BlockState | None] = dict.fromkeys(self.blocks)
         """Grouped-query attention: the state of the key/value groups (units = groups; a group is
         computed while any of its heads is), which the groups' shared k/v rows follow."""
@@ -138,6 +141,19 @@ class ResizeExecutor:
         state = self._state[key]
         return np.ones(self.blocks[key].num_units, bool) if state is None else state.computed
 
+    def computed_mask(self, key: BlockKey) -> torch.Tensor:
+        """`computed_units` as a (units,) bool tensor on the parameters' device, made once per plan (no
+        host-to-device copy per step)."""
+        state = self._state[key]
+        if state is not None:
+            return state.computed_mask
+        if key not in self._all_computed:
+            block = self.blocks[key]
+            self._all_computed[key] = torch.ones(
+                block.num_units, dtype=torch.bool, device=block.column.weight.device
+            )
+        return self._all_computed[key]
+
     def set_shares(self, shares: tuple[int, ...]) -> None:
         """Replica r runs shares[r] micro-batches per step from the next step on (heterogeneous data
         parallelism): gradient averaging over the replicas computing a unit weighs them by it."""
@@ -173,7 +189,9 @@ class ResizeExecutor:
                 self._state[key] = None
             else:
                 self._state[key] = _BlockState.of(computed, counts, total, device)
-            self._group_state[key] = self._groups_of(block, plan, computed, device) if block.shared_params else None
+            self._group_state[key] = (
+                self._groups_of(block, plan, computed, device) if block.shared_params else None
+            )
         self._install(True)
         self.exchange.apply(plan)
 
@@ -243,7 +261,11 @@ class ResizeExecutor:
                 mean = up.get(grad, state.kept).mean(dim=0)  # (...) the kept units' mean
                 up.set(grad, imputed, mean.expand(len(imputed), *mean.shape).to(grad.dtype))
             elif len(imputed) and self.imputation == "same":
-                up.set(grad, imputed, (up.get(self._last_grad[up], imputed) / self.num_microbatches).to(grad.dtype))
+                up.set(
+                    grad,
+                    imputed,
+                    (up.get(self._last_grad[up], imputed) / self.num_microbatches).to(grad.dtype),
+                )
             up.scale_(grad, state.scale)
             return grad
 
@@ -264,12 +286,17 @@ class ResizeExecutor:
         if self.imputation != "zero":
             return
         for key, block in self.blocks.items():
-            for params, state in ((block.unit_params, self._state[key]), (block.shared_params, self._group_state[key])):
+            for params, state in (
+                (block.unit_params, self._state[key]),
+                (block.shared_params, self._group_state[key]),
+            ):
                 if state is None or not len(state.imputed):
                     continue
                 for up in params:
                     if up not in self._frozen_index:  # once per plan: a host-to-device copy syncs the stream
-                        self._frozen_index[up] = _FrozenSlice.indexes(up.param, up.offsets(state.imputed_units))
+                        self._frozen_index[up] = _FrozenSlice.indexes(
+                            up.param, up.offsets(state.imputed_units)
+                        )
                     self._frozen.append(_FrozenSlice.capture(up.param, *self._frozen_index[up], optimizer))
 
     def after_step(self, optimizer=None) -> None:
@@ -286,7 +313,10 @@ class ResizeExecutor:
                 )
                 for up in block.unit_params:
                     self._sample_grad[up].zero_()
-            for params, state in ((block.unit_params, self._state[key]), (block.shared_params, self._group_state[key])):
+            for params, state in (
+                (block.unit_params, self._state[key]),
+                (block.shared_params, self._group_state[key]),
+            ):
                 keep = slice(None) if state is None else state.kept  # the units computed this step
                 for up in params:
                     if up in self._last_grad:

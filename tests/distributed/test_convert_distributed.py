@@ -4,7 +4,7 @@ Launch 1 trains pretrain_gpt at TP=2 x PP=2 (GPT-2- and Llama-shaped) and pretra
 3 steps each, saving at the end, and records each sharded model's logits on fixed inputs. Here (one
 process):
 - the Llama checkpoint (SwiGLU, grouped-query attention, untied output layer) consolidates to a TP=1
-  model with the same logits, and reshards TP2xPP2 -> TP2xPP1, which loads with the same logits;
+  model with the same logits, exports to LlamaForCausalLM with the same logits and greedy tokens, and reshards TP2xPP2 -> TP2xPP1, which loads with the same logits;
 - `consolidate` -> a TP=1 GPT gives the same logits; `export-hf` -> GPT2LMHeadModel gives them too,
   and greedy generation equal to megahet's own greedy loop;
 - `export-vit` -> `load_vit_export` -> a single-process ViT reproduces the trained ViT's logits;
@@ -89,6 +89,21 @@ def test_llama_tp2_pp2_checkpoint_consolidates(trained, world1):
     with torch.no_grad():
         logits = model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
     compare("convert llama tp2pp2", "consolidated TP1 logits", logits, expected)
+
+    from transformers import LlamaForCausalLM
+
+    assert convert(["export-hf", "--load", str(out / "llama_ck"), "--out", str(out / "hf_llama")]) == 0
+    hf = LlamaForCausalLM.from_pretrained(out / "hf_llama").eval()
+    with torch.no_grad():
+        compare("convert llama tp2pp2", "HF Llama logits", hf(tokens).logits, expected)
+        ours = tokens[:, :8]
+        for _ in range(10):
+            positions = torch.arange(ours.shape[1]).expand_as(ours)
+            ours = torch.cat([ours, model(ours, positions, None)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    prompt = tokens[:, :8]
+    theirs = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False,
+                         pad_token_id=0)  # fmt: skip
+    assert torch.equal(theirs, ours)
 
 
 def test_tp2_pp2_checkpoint_consolidates_and_exports(trained, world1):

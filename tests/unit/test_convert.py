@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from megahet.checkpointing.convert import (
+    ShardLayout,
     check_reshard,
     checkpoint_tokenizer,
     consolidate,
@@ -53,7 +54,7 @@ def write_checkpoint(root, state, tp, pp, iteration=5, tokenizer=None, **meta_ex
     """A checkpoint folder as megahet writes one (model states only), with `tokenizer` as tokenizer.model."""
     folder = root / f"iter_{iteration:07d}"
     folder.mkdir(parents=True)
-    for p, shards in enumerate(shard(state, tp, pp)):
+    for p, shards in enumerate(shard(state, tp, pp, layout=ShardLayout.recorded(meta_extra))):
         for t, module in enumerate(shards):
             torch.save({"module": module}, folder / model_states_file(p * tp + t))
     if tokenizer is not None:
@@ -630,3 +631,55 @@ def test_cuda_config_fuses_bias_gelu_only_with_biases(monkeypatch):
     assert biased.add_bias_linear and biased.bias_activation_fusion and biased.activation_func is F.gelu
     assert not free.add_bias_linear and not free.bias_activation_fusion
     assert free.activation_func is common.gelu_tanh
+
+
+LLAMA = [*MODEL, "--model.position_embedding_type", "rope", "--model.normalization", "RMSNorm",
+         "--model.activation", "swiglu", "--model.ffn_hidden_size", "160", "--model.num_query_groups", "2",
+         "--model.add_bias_linear", "false", "--model.rotary_base", "50000"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--model.untie_embeddings_and_output_weights", "true"],
+        ["--model.rotary_interleaved", "true"],  # Meta's pair layout, converted to halves on export
+    ],
+    ids=["untied-halves", "tied-interleaved"],
+)
+def test_llama_export_matches_logits_and_greedy_generation(world1, spm_model, tmp_path, extra):
+    """A Llama-shaped GPT (rotary, RMSNorm, SwiGLU, 2 key/value groups for 4 heads, no biases) written as a
+    TP2 x PP2 checkpoint exports to LlamaForCausalLM: the same logits, the same greedy tokens."""
+    from transformers import LlamaForCausalLM
+
+    cfg, model, state, full = _gpt([*LLAMA, *extra])
+    write_checkpoint(tmp_path / "ck", full, 2, 2, tokenizer=spm_model, model=dataclasses.asdict(cfg.model),
+                     vocab_size=PIECES)  # fmt: skip
+    sys.path.insert(0, "tools")
+    from convert_checkpoint import main
+
+    assert main(["export-hf", "--load", str(tmp_path / "ck"), "--out", str(tmp_path / "hf")]) == 0
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert (hf.config.num_key_value_heads, hf.config.tie_word_embeddings) == (2, "--model.untie" not in extra[0])
+    tokens = torch.randint(0, PIECES, (2, 32), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        diff = (hf(tokens).logits - logits_of(model, tokens)).abs().max().item()
+    assert diff < 1e-5
+    prompt = tokens[:1, :8]
+    ours = greedy(model, prompt, 12)
+    out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False)
+    assert torch.equal(out[:, : ours.shape[1]], ours[:, : out.shape[1]]) and out.shape[1] > 8
+
+    # The layout really matters: reading interleaved rotary weights as halves changes the logits.
+    if "--model.rotary_interleaved" in extra:
+        from megahet.checkpointing.hf_export import llama_to_hf
+
+        wrong = llama_to_hf(state, dataclasses.replace(cfg.model, rotary_interleaved=False))
+        hf.load_state_dict(wrong, strict=False)
+        with torch.no_grad():
+            assert (hf(tokens).logits - logits_of(model, tokens)).abs().max() > 1e-3
+
+
+def test_export_hf_refuses_a_mixed_architecture(world1, spm_model, tmp_path):
+    cfg, _, state, _ = _gpt([*MODEL, "--model.activation", "swiglu"])
+    with pytest.raises(ConfigError, match="no Hugging Face model"):
+        export_hf(state, cfg.model, tmp_path / "x", spm_model)

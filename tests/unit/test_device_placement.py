@@ -235,3 +235,37 @@ def test_forward_step_moves_the_batch_to_the_device(monkeypatch, name: str) -> N
     _, loss_func = _script(name).forward_step(iter([batch]), model)
     assert seen and {t.device.type for t in seen} == {"meta"}
     assert {t.device.type for t in loss_func.args} == {"meta"}  # the labels / loss mask the loss meets
+
+
+def test_computed_mask_is_made_once_per_plan_on_the_parameters_device(meta_device, monkeypatch) -> None:
+    """The statistics read which units were computed from a device tensor made with the plan, not from a
+    host array copied to the GPU every step."""
+    model = _meta_gpt(monkeypatch)
+    executor = ResizeExecutor(model, dp_rank=0, tp_rank=0, dp_size=1)
+    key = ("mlp", 1)
+    for plan in (ResizePlan(), plan_of({key: (4,)})):
+        executor.apply(plan)
+        mask = executor.computed_mask(key)
+        assert mask.device.type == "meta" and mask.dtype == torch.bool and mask is executor.computed_mask(key)
+
+
+def test_batches_go_to_a_gpu_from_pinned_memory(monkeypatch) -> None:
+    """On a GPU a batch is pinned, then copied without blocking the host (as megatron's loader does)."""
+    from megahet.data import sampling
+
+    calls = []
+
+    class Host:
+        def pin_memory(self):
+            calls.append("pin")
+            return self
+
+        def to(self, device, non_blocking=False):
+            calls.append((str(device), non_blocking))
+            return self
+
+    sampling.to_device({"tokens": Host()}, torch.device("cuda", 0))
+    assert calls == ["pin", ("cuda:0", True)]
+    calls.clear()
+    sampling.to_device({"tokens": Host()}, torch.device("cpu"))
+    assert calls == [("cpu", True)]

@@ -17,8 +17,10 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 # config -> world size of the launch that uses it
 WORLDS = {
     "cpu/gpt_tp2_pp2.yaml": 4,
+    "cpu/llama_tp2.yaml": 2,
     "cpu/vit_tp2.yaml": 2,
     "gpu/gpt_tp2_pp2_dp2.yaml": 8,
+    "gpu/llama_600m_tp2_dp4.yaml": 8,
 }
 
 

@@ -187,3 +187,20 @@ def test_migrate_with_zero2_is_a_one_line_config_error() -> None:
     with pytest.raises(ConfigError) as err:
         validate(load_config(["--parallel.tp", "2", "--resize.migrate", "0:0.5@0"]), world_size=4)
     assert str(err.value).startswith("resize: ") and "\n" not in str(err.value)
+
+
+def test_migration_chunks_round_to_the_unit_multiple() -> None:
+    """With resize.unit_multiple m, MLP chunks are multiples of m (the owner's and helpers' widths stay
+    multiples of m); heads are not rounded; without a multiple of m units per rank nothing is."""
+    from megahet.policy.resize_planner import plan_migration, round_to_multiple
+
+    units = {("mlp", 1): 256, ("attn", 1): 8}
+    plan = plan_migration(units, {(0, 0): (0.3, (1, 2))}, mlp_multiple=64)
+    mlp = plan[("mlp", 1)][(0, 0)]
+    assert {h: len(u) for h, u in mlp.items()} == {1: 64, 2: 64}  # floor(0.3 * 256) = 76 -> 38 + 38
+    assert {h: len(u) for h, u in plan[("attn", 1)][(0, 0)].items()} == {1: 1, 2: 1}
+    assert round_to_multiple({1: 250}, 256, 64) == {1: 192}  # the owner keeps 64
+    assert round_to_multiple({1: 31, 2: 33}, 256, 64) == {1: 0, 2: 64}
+    assert round_to_multiple({1: 31}, 250, 64) == {1: 31}
+    targets = plan_migration(units, {(0, 0): {1: 0.4}}, mlp_multiple=8)[("mlp", 1)][(0, 0)]
+    assert len(targets[1]) % 8 == 0 and (256 - len(targets[1])) % 8 == 0

@@ -254,3 +254,16 @@ def test_start_split_from_declared_speeds_and_from_a_measured_checkpoint():
     assert start_split(measured, 2, None, saved).parallel.stage_layers == "2,6"  # goes on where it was
     assert start_split(measured, 2, None).parallel.stage_layers is None
     assert start_split(load_config(base), 2, None, saved).parallel.stage_layers is None  # not planned: as set
+
+
+def test_layer_flops_count_grouped_query_attention_and_swiglu() -> None:
+    from megahet.policy.flops import transformer_layer_flops
+
+    h, f, s = 256, 1024, 128
+    assert transformer_layer_flops(h, f, s) == 8 * h * h + 4 * h * f + 4 * s * h  # GPT-2's layer
+    # 2 key/value heads for 8 query heads: K and V shrink to a quarter; SwiGLU has 3 matrices; causal halves
+    assert transformer_layer_flops(h, f, s, heads=8, query_groups=2, gated=True, causal=True) == (
+        4 * h * h + 4 * h * (h // 4) + 6 * h * f + 2 * s * h
+    )
+    lm = model_extra_layers(h, f, s, 8192, pp=2, heads=8, query_groups=2, gated=True)
+    assert lm[-1] == 2 * h * 8192 / transformer_layer_flops(h, f, s, heads=8, query_groups=2, gated=True)

@@ -30,8 +30,8 @@ from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from tp_gather import gathered
 
-from megahet.checkpointing.convert import merge_tp_shards
 from megahet.config import MegahetConfig, apply_overrides
 from megahet.models.attention import SDPACoreAttention
 from megahet.models.common import resizable_layer_spec, transformer_config
@@ -92,20 +92,6 @@ def build(spec: str, tp: int):
         config=transformer_config(cfg), transformer_layer_spec=layer, vocab_size=VOCAB, max_sequence_length=SEQ,
         share_embeddings_and_output_weights=False, position_embedding_type="rope",
     )  # fmt: skip
-
-
-def gathered(model: torch.nn.Module, what: str) -> dict[str, torch.Tensor]:
-    """Parameters or gradients by name in the TP=1 layout (TP shards merged; fc1 as [gates; ups])."""
-    tp = ps.get_tensor_model_parallel_world_size()
-    out = {}
-    for name, param in model.named_parameters():
-        tensor = (param.detach() if what == "data" else param.grad).float().contiguous()
-        if tp > 1 and getattr(param, "tensor_model_parallel", False):
-            parts = [torch.empty_like(tensor) for _ in range(tp)]
-            dist.all_gather(parts, tensor, group=ps.get_tensor_model_parallel_group())
-            tensor = merge_tp_shards(parts, param.partition_dim, "linear_fc1" in name)
-        out[name] = tensor.clone()
-    return out
 
 
 def run(model, before_gather=None) -> dict:

@@ -43,6 +43,7 @@ from megahet.tensor_parallel.plan import ResizePlan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: shared test support
 from resize_reference import zero_units
+from tp_gather import gathered
 
 SEED = 2024
 LAYERS, HIDDEN, HEADS, FFN = 2, 32, 4, 64
@@ -105,20 +106,6 @@ def batch(kind: str, seed: int) -> dict[str, torch.Tensor]:
         "images": torch.randn(BATCH, 1, 28, 28, generator=g),
         "labels": torch.randint(0, 10, (BATCH,), generator=g),
     }
-
-
-def gathered(model: torch.nn.Module, what: str) -> dict[str, torch.Tensor]:
-    """Parameters or gradients by name, TP shards concatenated along their partition dim."""
-    tp = ps.get_tensor_model_parallel_world_size()
-    out = {}
-    for name, param in model.named_parameters():
-        tensor = (param.detach() if what == "data" else param.grad).float().contiguous()
-        if tp > 1 and getattr(param, "tensor_model_parallel", False):
-            parts = [torch.empty_like(tensor) for _ in range(tp)]
-            dist.all_gather(parts, tensor, group=ps.get_tensor_model_parallel_group())
-            tensor = torch.cat(parts, dim=param.partition_dim)
-        out[name] = tensor.clone()
-    return out
 
 
 def run(model, kind: str, seed: int = 1, before_gather=None) -> dict:

@@ -272,7 +272,7 @@ def metrics_curves(metrics: Path, steps: int) -> dict[str, torch.Tensor]:
 def with_tied_copy(reference: dict[str, torch.Tensor], names) -> dict[str, torch.Tensor]:
     """The unsharded reference by name, plus the tied copy (= the word embedding) if `names` has it."""
     expected = dict(reference)
-    if TIED_COPY in names:
+    if TIED_COPY in names and TIED_COPY not in reference:  # untied: the output layer is a parameter of its own
         expected[TIED_COPY] = reference[EMBEDDING]
     return expected
 

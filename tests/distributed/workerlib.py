@@ -19,6 +19,7 @@ import torch.distributed as dist
 from harness import EMBEDDING, TIED_COPY
 from megatron.core import parallel_state as ps
 
+from megahet.checkpointing.convert import merge_tp_shards, split_tp_shards
 from megahet.parallel import current_layout
 from megahet.training import TaskSpec
 
@@ -47,6 +48,11 @@ def global_name(local: str, offset: int) -> str:
     return f"decoder.layers.{offset + int(match.group(1))}." + local[match.end() :]
 
 
+def _gated(model: torch.nn.Module, name: str) -> bool:
+    """SwiGLU's fc1: its TP shards are [gate; up] each (megahet.checkpointing.convert.merge_tp_shards)."""
+    return getattr(getattr(model, "config", None), "gated_linear_unit", False) and "linear_fc1" in name
+
+
 def is_tp_sharded(param: torch.Tensor) -> bool:
     return (
         bool(getattr(param, "tensor_model_parallel", False)) and ps.get_tensor_model_parallel_world_size() > 1
@@ -68,7 +74,7 @@ def stage_tensors(model: torch.nn.Module, what: str = "data") -> dict[str, torch
         if is_tp_sharded(param):
             parts = [torch.empty_like(tensor) for _ in range(tp_size)]
             dist.all_gather(parts, tensor, group=ps.get_tensor_model_parallel_group())
-            tensor = torch.cat(parts, dim=param.partition_dim)
+            tensor = merge_tp_shards(parts, param.partition_dim, _gated(model, name))
         out[global_name(name, offset)] = tensor.clone()
     return out
 
@@ -105,10 +111,10 @@ def load_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> N
     tp_size, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     offset = layer_offset(model)
     for name, param in model.named_parameters():
-        key = EMBEDDING if name == TIED_COPY else global_name(name, offset)
+        key = EMBEDDING if name == TIED_COPY and TIED_COPY not in state else global_name(name, offset)
         full = state[key]
         if is_tp_sharded(param):
-            full = torch.chunk(full, tp_size, dim=param.partition_dim)[tp_rank]
+            full = split_tp_shards(full, tp_size, param.partition_dim, _gated(model, name))[tp_rank]
         if full.shape != param.shape:
             raise AssertionError(f"{name} <- {key}: shape {tuple(full.shape)} vs {tuple(param.shape)}")
         param.copy_(full)

@@ -137,9 +137,28 @@ def test_zero_imputation_freezes_a_dropped_groups_kv_rows(world1) -> None:
 
 def test_average_imputation_of_a_dropped_groups_kv_rows(world1) -> None:
     model = gpt(**GQA)
-    executor = ResizeExecutor(model, dp_rank=0, tp_rank=0, dp_size=1, imputation="average", num_microbatches=1)
+    executor = ResizeExecutor(
+        model, dp_rank=0, tp_rank=0, dp_size=1, imputation="average", num_microbatches=1
+    )
     executor.apply(_plan(DROPS))
     grads = step(model, executor, torch.optim.SGD(model.parameters(), lr=0.0), batches(40, 1))
     qkv2 = grads[names(2)[0]]
     torch.testing.assert_close(qkv2[kv_rows(1)], qkv2[kv_rows(0)])  # the one kept group's gradient
     torch.testing.assert_close(qkv2[q_rows(2)], (qkv2[q_rows(0)] + qkv2[q_rows(1)]) / 2)
+
+
+def test_priority_statistics_follow_each_query_head(world1) -> None:
+    """Priority selection scores each query head from its own q rows and proj columns (sampled elements),
+    whether or not its group's shared k/v rows are computed."""
+    from megahet.policy.selection import GradientStats, priority_scores, update_gradient_stats
+
+    model = gpt(**GQA)
+    executor = ResizeExecutor(model, dp_rank=0, tp_rank=0, dp_size=1, track_gradients=True, score_samples=16)
+    executor.apply(_plan(DROPS))
+    step(model, executor, torch.optim.SGD(model.parameters(), lr=0.0), batches(50))
+    grads = executor.unit_gradients[("attn", 2)]  # (heads, samples)
+    assert grads.shape == (HEADS, 16)
+    assert grads[2:].abs().max() == 0 and grads[:2].abs().amax(dim=1).min() > 0  # group 1's heads dropped
+    stats = GradientStats.empty(HEADS, 16, grads.device)
+    update_gradient_stats(stats, grads, executor.computed_mask(("attn", 2)), 0.9)
+    assert stats.count.tolist() == [1, 1, 0, 0] and len(priority_scores(stats)) == HEADS

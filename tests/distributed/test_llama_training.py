@@ -5,7 +5,7 @@ biases, with the SEMI balancer on and TP rank 1 on a virtual device 4x slow from
 Launch 1 (24 steps, saving at step 10, in the middle of the slow phase): the balancer moves query heads
 (their group's k/v rows sent along) and SwiGLU units to rank 0 while rank 1 is slow and the loss falls.
 Launch 2 resumes from the step-10 checkpoint (the migrated plan, statistics and optimizer state) and
-must follow launch 1's loss curve for steps 11-24.
+must follow launch 1's loss curve from step 11 on (while no lossy resizing has run).
 
 Run: python -m pytest tests/distributed/test_llama_training.py -q   (about 1 minute on 2 cores)
 """
@@ -61,13 +61,22 @@ def test_the_balancer_moves_llama_units_off_the_slow_rank_and_the_loss_falls(run
 
 
 def test_resume_in_the_middle_of_migration_follows_the_loss_curve(runs) -> None:
+    """Migration is lossless, so the two runs agree whatever units each migrates; but as rank 1 recovers,
+    SEMI may *resize* it (lossy, a mild gap) at a step its measured speeds decide, differently in each run
+    (seen: gamma 0.27 at step 23 in one run only, 1.2e-4 off in the loss). So the curves are compared up
+    to the first resized step of either run, which must come after the slow phase."""
     first = {r["step"]: r for r in runs["first"]}
     resumed = {r["step"]: r for r in runs["resumed"]}
     assert sorted(resumed) == list(range(SAVE + 1, STEPS + 1))
-    assert first[SAVE]["moved_tp1"] > 0  # the saved step ran migrated
+    assert first[SAVE]["moved_tp1"] > 0 and resumed[SAVE + 1]["moved_tp1"] == first[SAVE + 1]["moved_tp1"]
+    resized = [
+        s for s in sorted(resumed) if any(r[s][f"gamma_tp{t}"] > 0 for r in (first, resumed) for t in (0, 1))
+    ]
+    steps = [s for s in sorted(resumed) if s < min(resized, default=STEPS + 1)]
+    assert steps[-1] >= SLOW_UNTIL, resized
     for key in ("loss", "grad_norm"):
         compare(
-            "llama resume", f"{key} steps {SAVE + 1}-{STEPS}",
-            torch.tensor([resumed[s][key] for s in sorted(resumed)], dtype=torch.float64),
-            torch.tensor([first[s][key] for s in sorted(resumed)], dtype=torch.float64),
+            "llama resume", f"{key} steps {SAVE + 1}-{steps[-1]}",
+            torch.tensor([resumed[s][key] for s in steps], dtype=torch.float64),
+            torch.tensor([first[s][key] for s in steps], dtype=torch.float64),
         )  # fmt: skip

@@ -162,3 +162,18 @@ def test_priority_statistics_follow_each_query_head(world1) -> None:
     stats = GradientStats.empty(HEADS, 16, grads.device)
     update_gradient_stats(stats, grads, executor.computed_mask(("attn", 2)), 0.9)
     assert stats.count.tolist() == [1, 1, 0, 0] and len(priority_scores(stats)) == HEADS
+
+
+def test_same_imputation_of_a_dropped_groups_kv_rows(world1) -> None:
+    """'same': a fully dropped group's k/v rows (and its heads' q rows) get the gradient of the last step
+    that computed them."""
+    model = gpt(**GQA)
+    executor = ResizeExecutor(model, dp_rank=0, tp_rank=0, dp_size=1, imputation="same", num_microbatches=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    full = step(model, executor, optimizer, batches(60))
+    executor.apply(_plan(DROPS))
+    resized = step(model, executor, optimizer, batches(61))
+    qkv2 = names(2)[0]
+    for rows in (kv_rows(1), q_rows(2), q_rows(3)):
+        assert torch.equal(resized[qkv2][rows], full[qkv2][rows]) and full[qkv2][rows].abs().max() > 0
+    assert not torch.equal(resized[qkv2][kv_rows(0)], full[qkv2][kv_rows(0)])  # computed: a fresh gradient

@@ -243,6 +243,21 @@ class BalanceConfig:
         """The balancer runs: it plans (mode != static) or only measures (a trace is asked for)."""
         return self.mode != "static" or bool(self.trace)
 
+    @property
+    def plans(self) -> bool:
+        """The TP balancer changes the plan (any mode but static)."""
+        return self.mode != "static"
+
+    @property
+    def resizes(self) -> bool:
+        """The mode may drop units (ZERO-resizing): resize, semi."""
+        return self.mode in ("resize", "semi")
+
+    @property
+    def migrates(self) -> bool:
+        """The mode may move units to other ranks (lossless migration): migrate, semi."""
+        return self.mode in ("migrate", "semi")
+
 
 @dataclasses.dataclass(kw_only=True)
 class HeteroConfig:

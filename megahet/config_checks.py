@@ -83,7 +83,7 @@ def validate(cfg: MegahetConfig, world_size: int) -> int:
     b = cfg.balance
     _require(b.interval > 0 and b.window > 0, "balance.interval and balance.window must be positive")
     _require(
-        not (b.mode in ("migrate", "semi") and p.zero_stage == 2),
+        not (b.migrates and p.zero_stage == 2),
         f"balance.mode={b.mode} migrates units and needs ZeRO-1: set parallel.zero_stage=1",
     )
     _validate_hetero(cfg, world_size, dp)
@@ -166,7 +166,7 @@ def _validate_hetero(cfg: MegahetConfig, world_size: int, dp: int) -> None:
         "hetero.dp_shares=declared needs hetero.speeds (one relative speed per rank, or a nodes: file)",
     )
     _require(
-        not (h.speeds and not h.active and not h.pp_active and cfg.balance.mode == "static"),
+        not (h.speeds and not h.active and not h.pp_active and not cfg.balance.plans),
         "hetero.speeds is declared but nothing uses it: set hetero.dp_shares=declared or measured (data-parallel "
         "shares), hetero.pp_split=declared or measured (layers per stage) and/or balance.mode (the TP plan)",
     )

@@ -32,9 +32,7 @@ def start_heterogeneous(cfg: MegahetConfig, trainer, balancer) -> list | None:
         declared = parse_declared_speeds(h.speeds, layout.world_size, ranks_per_node(layout.world_size))
         by_coords = dict(zip(coords, declared))
         if h.active:  # a TP balancer evens each TP group out, else it runs at its slowest rank
-            speeds = replica_speeds(
-                by_coords, tp_balanced=balancer is not None and cfg.balance.mode != "static"
-            )
+            speeds = replica_speeds(by_coords, tp_balanced=balancer is not None and cfg.balance.plans)
             trainer.set_shares(dp_shares(speeds, sum(trainer.shares), healthy_gap=h.healthy_gap))
         if balancer is not None:
             stage = [

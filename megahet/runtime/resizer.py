@@ -79,7 +79,7 @@ class ResizeController(StepHook):
         """Priority statistics are kept only where units can be dropped: static gammas, or a balancer
         that resizes. Migration and the static, even split never select units."""
         r = cfg.resize
-        resizes = bool(r.gamma or r.block_gamma) or cfg.balance.mode in ("resize", "semi")
+        resizes = bool(r.gamma or r.block_gamma) or cfg.balance.resizes
         return r.selection == "priority" and resizes
 
     def _local_scores(self, block: BlockKey) -> np.ndarray:

@@ -42,10 +42,14 @@ def declared_split(cfg: MegahetConfig, world_size: int, vocab_size: int | None) 
     m, p = cfg.model, cfg.parallel
     speeds = parse_declared_speeds(cfg.hetero.speeds, world_size, ranks_per_node(world_size))
     coords = mesh_coords(world_size, p.tp, p.pp)
-    tp_balanced = cfg.balance.mode != "static"  # a TP balancer runs each stage's group at its mean speed
+    tp_balanced = cfg.balance.plans  # a TP balancer runs each stage's group at its mean speed
     per_stage = stage_speeds(dict(zip(coords, speeds)), p.pp, tp_balanced=tp_balanced)
     head = "lm" if vocab_size is not None else "cls"
-    shape = {"heads": m.num_attention_heads, "query_groups": m.query_groups, "gated": m.activation == "swiglu"}
+    shape = {
+        "heads": m.num_attention_heads,
+        "query_groups": m.query_groups,
+        "gated": m.activation == "swiglu",
+    }
     extra = model_extra_layers(m.hidden_size, m.ffn_size, m.seq_length, vocab_size or 0, p.pp, head, **shape)
     layer_s, extra_s = declared_stage_times(per_stage, extra)
     return best_split(layer_s, extra_s, m.num_layers)

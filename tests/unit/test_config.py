@@ -379,3 +379,15 @@ def test_load_deepspeed_json(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load_deepspeed_json(str(bad))
     _one_line(err, "bad.json", "JSON")
+
+
+@pytest.mark.parametrize(
+    "mode, plans, resizes, migrates",
+    [("static", False, False, False), ("resize", True, True, False), ("migrate", True, False, True),
+     ("semi", True, True, True)],
+)  # fmt: skip
+def test_balance_mode_says_what_it_does(mode: str, plans: bool, resizes: bool, migrates: bool) -> None:
+    from megahet.config import BalanceConfig
+
+    b = BalanceConfig(mode=mode)
+    assert (b.plans, b.resizes, b.migrates) == (plans, resizes, migrates)

@@ -2,7 +2,8 @@
 tests/distributed/test_failures.py): which torch.distributed errors mean a lost peer, and the one line
 that names it.
 
-Run: ``python -m pytest tests/unit/test_failures.py -q``
+Run: ``python -m pytest tests/unit/test_peer_loss.py -q`` (the name differs from the distributed test_failures.py: pytest
+imports test modules by basename)
 """
 
 from __future__ import annotations

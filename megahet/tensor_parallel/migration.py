@@ -85,8 +85,9 @@ class MigrationExchange:
         pieces = []
         for owner, units, start in self._guest_slices(key):
             pieces.append((owner, [(up, g, start, len(units)) for up, g in zip(block.unit_params, guests)]))
-        for (owner, groups, start), (_, entry) in zip(self._guest_groups(key), pieces):
-            entry += [(sp, g, start, len(groups)) for sp, g in zip(block.shared_params, shared_guests)]
+        if block.shared_params:  # grouped-query attention only: no per-step group arithmetic elsewhere
+            for (owner, groups, start), (_, entry) in zip(self._guest_groups(key), pieces):
+                entry += [(sp, g, start, len(groups)) for sp, g in zip(block.shared_params, shared_guests)]
         return pieces
 
     def apply(self, plan: ResizePlan) -> None:
@@ -99,7 +100,9 @@ class MigrationExchange:
             device = block.column.weight.device
             for (owner, helper), units in moves.items():
                 if owner == self.tp_rank:
-                    groups = np.unique(block.unit_group(units)) if block.shared_params else np.zeros(0, np.int64)
+                    groups = (
+                        np.unique(block.unit_group(units)) if block.shared_params else np.zeros(0, np.int64)
+                    )
                     self.lent[(key, owner, helper)] = (
                         torch.tensor(units, device=device),
                         torch.from_numpy(groups).to(device),
@@ -112,8 +115,11 @@ class MigrationExchange:
                 continue
             groups = sum(len(g) for _, g, _ in self._guest_groups(key)) if block.shared_params else 0
             tensors = [
-                torch.zeros(up.guest_shape(n), dtype=up.param.dtype, device=up.param.device, requires_grad=True)
-                for up, n in [(up, hosted) for up in block.unit_params] + [(sp, groups) for sp in block.shared_params]
+                torch.zeros(
+                    up.guest_shape(n), dtype=up.param.dtype, device=up.param.device, requires_grad=True
+                )
+                for up, n in [(up, hosted) for up in block.unit_params]
+                + [(sp, groups) for sp in block.shared_params]
             ]
             self.guests[key] = tensors
         self.install(True)

@@ -19,15 +19,20 @@ from pathlib import Path
 
 import torch
 
-from megahet.checkpointing.checkpoint import start_sample
+from megahet.checkpointing.checkpoint import start_iteration, start_sample
 from megahet.config import ConfigError, MegahetConfig
+from megahet.config_checks import packing_cap, parse_doc_cost
+from megahet.data.documents import DocumentPieces
 from megahet.data.gpt_data import build_gpt_datasets
+from megahet.data.packed import DEFAULT_COST, PackedStream, packed_eval_batches
 from megahet.data.prepare import ensure_gpt_data, gpt_data_paths
 from megahet.data.sampling import micro_batches, to_device
 from megahet.data.tokenizer import SentencePieceTokenizer
 from megahet.data.wheels import data_dir
+from megahet.models.attention import packed_documents
 from megahet.models.gpt import build_gpt
 from megahet.parallel import ParallelLayout
+from megahet.policy.packing import DocCost
 from megahet.training import Task, TaskSpec, run_cli
 
 
@@ -99,15 +104,71 @@ def forward_step(data_iterator, model):
     return per_token_loss, functools.partial(loss_func, batch["loss_mask"])
 
 
+def token_sum_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+    """Packed documents: the micro-batch's loss summed over its tokens, with its token count (megatron-core's
+    per-token loss: the Trainer scales it by DP / the global batch's tokens, so every token weighs the same
+    whichever replica and micro-batch hold it)."""
+    mask = loss_mask.float()  # (1, t)
+    loss_sum = (per_token_loss.float() * mask).sum()
+    tokens = mask.sum()
+    return loss_sum, tokens.int(), {"loss": loss_sum.detach().clone(), "loss_sum": loss_sum.detach(), "tokens": tokens}
+
+
+def packed_forward_step(data_iterator, model):
+    batch = to_device(next(data_iterator))
+    params = packed_documents(batch["cu_seqlens"], batch["doc_lengths"])
+    per_token_loss = model(
+        batch["tokens"], batch["position_ids"], None, labels=batch["labels"], packed_seq_params=params
+    )  # (1, t) on the last stage; hidden states (t, 1, h) before it
+    return per_token_loss, functools.partial(token_sum_loss, batch["loss_mask"])
+
+
 def eval_summary(sums: dict[str, float]) -> dict[str, float]:
     loss = sums["loss_sum"] / sums["tokens"]
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+
+
+def build_packed(cfg: MegahetConfig, layout: ParallelLayout, prefix: str, tokenizer, tokenizer_model: str) -> Task:
+    """Whole documents packed into micro-batches of up to data.max_tokens tokens (docs/packing.md)."""
+    d, t = cfg.data, cfg.train
+    cap = packing_cap(cfg)
+    pieces = {
+        name: DocumentPieces.from_split(
+            prefix, split=d.split, name=name, max_tokens=cap, mix=d.length_mix, seed=t.seed
+        )
+        for name in ("train", "valid")
+    }
+    batch = (
+        {"tokens_per_batch": t.global_batch_tokens}
+        if t.global_batch_tokens is not None
+        else {"documents_per_batch": t.global_batch_size}
+    )
+    stream = PackedStream(
+        pieces["train"], dp_rank=layout.dp_rank, dp_size=layout.dp_size, cap=cap, pp=layout.pp_size,
+        seed=t.seed, start_step=start_iteration(cfg), strategy=d.packing_strategy, tries=d.packing_tries,
+        cost=DocCost(*parse_doc_cost(d.doc_cost)) if d.doc_cost else DEFAULT_COST, **batch,
+    )  # fmt: skip
+    return Task(
+        model=build_gpt(cfg, tokenizer.vocab_size),
+        vocab_size=tokenizer.vocab_size,
+        tokenizer_model=tokenizer_model,
+        seq_length=cap,
+        train_data=stream,
+        eval_data=lambda: packed_eval_batches(
+            pieces["valid"], dp_rank=layout.dp_rank, dp_size=layout.dp_size, cap=cap, iters=t.eval_iters
+        ),
+        forward_step=packed_forward_step,
+        eval_summary=eval_summary,
+        tokens_per_sample=cap,
+    )
 
 
 def build(cfg: MegahetConfig, layout: ParallelLayout) -> Task:
     t = cfg.train
     prefix, tokenizer_model = data_paths(cfg)
     tokenizer = SentencePieceTokenizer(tokenizer_model)
+    if cfg.data.packing == "documents":
+        return build_packed(cfg, layout, prefix, tokenizer, tokenizer_model)
     valid_samples = t.eval_iters * t.micro_batch_size * layout.dp_size
     train_set, valid_set, _ = build_gpt_datasets(
         prefix,

@@ -102,7 +102,11 @@ class TrainConfig:
     micro_batch_size: int = 4
     """Samples per micro-batch per data-parallel rank."""
     global_batch_size: int = 16
-    """Samples per optimizer step over all data-parallel ranks; a multiple of micro * DP."""
+    """Samples per optimizer step over all data-parallel ranks; a multiple of micro * DP. With
+    data.packing=documents: documents (pieces) per step, unless train.global_batch_tokens is given."""
+    global_batch_tokens: int | None = None
+    """data.packing=documents: size each global batch in tokens instead (documents in order until the next
+    would pass this many)."""
     train_iters: int = 300
     lr: float = 1e-3
     min_lr: float = 1e-4
@@ -146,6 +150,23 @@ class DataConfig:
     """GPT: vocabulary of the tokenizer trained when the data is prepared."""
     split: str = "90,5,5"
     """GPT: train,valid,test weights over documents."""
+    packing: Literal["none", "documents"] = "none"
+    """GPT: none = fixed-length chunks of concatenated text (attention crosses documents); documents = whole
+    documents packed into micro-batches of up to data.max_tokens tokens, attention inside each document,
+    positions restarting per document, planned over replicas by cost and speed (docs/packing.md)."""
+    max_tokens: int | None = None
+    """GPT, packing: tokens per packed micro-batch (longer documents are cut into pieces); default model.seq_length."""
+    length_mix: Literal["documents", "web", "code"] = "documents"
+    """GPT, packing: the corpus's own documents, or its text re-cut at web-like or code-like lengths
+    (log-normal body, Pareto tail)."""
+    packing_strategy: Literal["cost", "tokens", "round_robin"] = "cost"
+    """GPT, packing: cost = by predicted cost and replica speed (Hydraulis-style); tokens = Karmarkar-Karp on
+    token counts (verl); round_robin = documents dealt in order (no balancing)."""
+    packing_tries: int = 16
+    """GPT, packing: random document orders the replica assignment tries after longest-first."""
+    doc_cost: str | None = None
+    """GPT, packing: a fixed cost model 'A,B,C' (seconds per token^2, per token, per micro-batch); None
+    profiles it at start-up and refines it from measured step times."""
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -57,11 +57,18 @@ def validate(cfg: MegahetConfig, world_size: int) -> int:
     dp = world_size // (p.tp * p.pp)
     _require(t.micro_batch_size > 0, f"train.micro_batch_size must be positive, got {t.micro_batch_size}")
     _require(t.global_batch_size > 0, f"train.global_batch_size must be positive, got {t.global_batch_size}")
-    _require(
-        t.global_batch_size % (t.micro_batch_size * dp) == 0,
-        f"train.global_batch_size {t.global_batch_size} is not a multiple of micro_batch_size * DP = "
-        f"{t.micro_batch_size} * {dp}: change one of them",
-    )
+    if cfg.data.packing == "documents":
+        _validate_packing(cfg, dp)
+    else:
+        _require(
+            t.global_batch_size % (t.micro_batch_size * dp) == 0,
+            f"train.global_batch_size {t.global_batch_size} is not a multiple of micro_batch_size * DP = "
+            f"{t.micro_batch_size} * {dp}: change one of them",
+        )
+        _require(
+            t.global_batch_tokens is None,
+            "train.global_batch_tokens sizes packed batches: set data.packing=documents or unset it",
+        )
     _require(t.train_iters > 0, f"train.train_iters must be positive, got {t.train_iters}")
     for key in ("log_interval", "eval_interval", "eval_iters"):
         _require(getattr(t, key) > 0, f"train.{key} must be positive, got {getattr(t, key)}")
@@ -88,6 +95,65 @@ def validate(cfg: MegahetConfig, world_size: int) -> int:
     )
     _validate_hetero(cfg, world_size, dp)
     return dp
+
+
+def parse_doc_cost(text: str) -> tuple[float, float, float]:
+    """'A,B,C' -> (a, b, c): seconds per token^2, per token and per micro-batch (data.doc_cost)."""
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 3 or min(values) < 0 or values[0] + values[1] <= 0:
+        raise ConfigError(
+            f"data.doc_cost {text!r} must be 'A,B,C': three numbers >= 0 (seconds per token^2, per token, per "
+            f"micro-batch) with A + B > 0, e.g. 2e-9,1e-5,1e-3; or leave it unset to profile at start-up"
+        )
+    return values
+
+
+def packing_cap(cfg: MegahetConfig) -> int:
+    """Tokens per packed micro-batch: data.max_tokens, default model.seq_length."""
+    return cfg.data.max_tokens if cfg.data.max_tokens is not None else cfg.model.seq_length
+
+
+def _validate_packing(cfg: MegahetConfig, dp: int) -> None:
+    """data.packing=documents: whole documents per micro-batch row, attention that takes document masks."""
+    d, m, t = cfg.data, cfg.model, cfg.train
+    cap = packing_cap(cfg)
+    _require(
+        t.micro_batch_size == 1,
+        f"data.packing=documents packs documents into one row per micro-batch: set train.micro_batch_size 1 "
+        f"(got {t.micro_batch_size}; data.max_tokens sets the tokens per micro-batch)",
+    )
+    _require(cap >= 2, f"data.max_tokens must be at least 2, got {cap}")
+    _require(
+        m.attention == "sdpa",
+        f"data.packing=documents needs attention that takes document boundaries: model.attention={m.attention} "
+        f"runs one mask over the whole row; set model.attention sdpa",
+    )
+    _require(
+        m.attention_dropout == 0.0,
+        f"packed attention runs without dropout (the varlen kernel has none): set model.attention_dropout 0 "
+        f"(got {m.attention_dropout})",
+    )
+    _require(
+        m.position_embedding_type == "rope" or cap <= m.seq_length,
+        f"data.max_tokens {cap} exceeds model.seq_length {m.seq_length}, the learned position table: "
+        f"lower data.max_tokens or raise model.seq_length",
+    )
+    if t.global_batch_tokens is not None:
+        _require(
+            t.global_batch_tokens >= dp * cap,
+            f"train.global_batch_tokens {t.global_batch_tokens} is less than one full micro-batch per replica "
+            f"(DP {dp} x data.max_tokens {cap}): raise it or lower data.max_tokens",
+        )
+    _require(
+        t.global_batch_size >= dp,
+        f"train.global_batch_size {t.global_batch_size} documents cannot give each of {dp} replicas one: raise it",
+    )
+    _require(d.packing_tries >= 0, f"data.packing_tries must be >= 0, got {d.packing_tries}")
+    if d.doc_cost is not None:
+        parse_doc_cost(d.doc_cost)
 
 
 def _validate_architecture(cfg: MegahetConfig) -> None:

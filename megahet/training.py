@@ -128,6 +128,9 @@ class Trainer:
         """This replica's share: the micro-batches the schedule runs per step."""
         self.loss_scale = 1.0
         """Factor on this replica's training losses so that every sample weighs the same (1 when even)."""
+        self.step_plan = None
+        """With packed documents: the current global batch's plan (megahet/data/packed.py StepPlan); the
+        losses are token sums, scaled by DP / the global batch's tokens so every token weighs the same."""
         self.clock = CommClock.install()
         self.timers = ComputeTimers(self.clock)
         self.times = StepTimes(0.0, 0.0, 0.0)
@@ -175,6 +178,20 @@ class Trainer:
         for hook in self.step_hooks:
             hook.set_shares(self.shares)
 
+    def _begin_packed_step(self) -> None:
+        """Plan the next global batch of packed documents (the same plan on every rank) and follow it: this
+        replica's micro-batch count, the hooks that count micro-batches, the per-token loss scale."""
+        plan = self.task.train_data.begin_step()
+        self.step_plan = plan
+        counts = plan.counts
+        if counts != self.shares:
+            self.shares = counts
+            for hook in self.step_hooks:
+                hook.set_shares(counts)
+        self.num_microbatches = counts[self.layout.dp_rank]
+        # Each micro-batch's loss is its token sum; DeepSpeed averages the replicas' gradients (/ DP).
+        self.loss_scale = self.layout.dp_size / plan.tokens
+
     def _scaled_forward_step(self, data: Iterator[dict], model) -> tuple[torch.Tensor, Callable]:
         """The task's forward step with its loss times `loss_scale` (megatron-core divides it by this
         replica's micro-batch count, and DeepSpeed averages over replicas; the product is 1 / M per
@@ -207,6 +224,8 @@ class Trainer:
         t0 = time.perf_counter()
         for hook in self.step_hooks:
             hook.before_forward_backward(self.iteration)
+        if hasattr(self.task.train_data, "begin_step"):
+            self._begin_packed_step()
         self.hooks_s += time.perf_counter() - t0
         self.engine.zero_grad()
         return self._run_schedule(self.task.train_data, self.num_microbatches, forward_only=False)
@@ -230,7 +249,9 @@ class Trainer:
             hook.after_step(self.engine)
         self.hooks_s += t2 - t1 + time.perf_counter() - t3
         self.iteration += 1
-        loss = _mean_over_dp([out["loss"] for out in outputs], sum(self.shares)) if outputs else float("nan")
+        # Packed: every micro-batch reports its token sum, averaged over the global batch's tokens.
+        denominator = self.step_plan.tokens if self.step_plan is not None else sum(self.shares)
+        loss = _mean_over_dp([out["loss"] for out in outputs], denominator) if outputs else float("nan")
         grad_norm = self.engine.get_global_grad_norm()
         record = {
             "loss": loss,
@@ -241,6 +262,8 @@ class Trainer:
             "wait_s": self.times.wait_s,
             "hooks_s": self.hooks_s,
         }
+        if self.step_plan is not None:
+            record["tokens"] = self.step_plan.tokens
         return as_floats(record) if sync else record
 
     @torch.no_grad()
@@ -296,7 +319,9 @@ class Trainer:
         samples_per_s = self.cfg.train.global_batch_size / step_time
         last = window[-1]
         metrics = {"loss": sum(r["loss"] for r in window) / len(window), "lr": last["lr"]}
-        if self.task.tokens_per_sample > 1:
+        if "tokens" in last:  # packed documents: the steps' own token counts
+            metrics["tokens_per_s"] = sum(r["tokens"] for r in window) / (step_time * len(window))
+        elif self.task.tokens_per_sample > 1:
             metrics["tokens_per_s"] = samples_per_s * self.task.tokens_per_sample
         else:
             metrics["samples_per_s"] = samples_per_s
@@ -322,12 +347,13 @@ def min_max_over_ranks(values: dict[str, float]) -> dict[str, tuple[float, float
     return {key: (-float(both[2 * i]), float(both[2 * i + 1])) for i, key in enumerate(values)}
 
 
-def _mean_over_dp(values: list[torch.Tensor], num_microbatches: int) -> torch.Tensor:
-    """The mean of every replica's micro-batch values over the global batch's `num_microbatches` (the
-    replicas may hold different numbers of them): a 0-dim tensor, not read back to the host."""
+def _mean_over_dp(values: list[torch.Tensor], denominator: int) -> torch.Tensor:
+    """The sum of every replica's micro-batch values over `denominator` (the global batch's micro-batches, or
+    its tokens when the values are token sums; replicas may hold different numbers of micro-batches): a
+    0-dim tensor, not read back to the host."""
     total = torch.stack([v.detach().float() for v in values]).sum()
     dist.all_reduce(total, group=ps.get_data_parallel_group())
-    return total / num_microbatches
+    return total / denominator
 
 
 def as_floats(record: dict) -> dict:

@@ -44,23 +44,27 @@ def read_sequence_lengths(data_prefix: str) -> np.ndarray:
         return np.frombuffer(f.read(4 * n_sequences), dtype="<i4")
 
 
-def split_document_counts(data_prefix: str, split: str = "949,50,1") -> dict[str, tuple[int, int] | None]:
-    """``{split name: (documents, tokens)}`` as megatron-core will cut them; None = split unused.
+def split_document_ranges(data_prefix: str, split: str = "949,50,1") -> dict[str, tuple[int, int] | None]:
+    """``{split name: (first document, end document)}`` as megatron-core will cut them; None = split unused.
 
     Mirrors ``BlendedMegatronDatasetBuilder._build_megatron_dataset_splits``: contiguous
     document ranges ``[round(lo * n), round(hi * n))`` of the normalized split matrix.
     """
-    lengths = read_sequence_lengths(data_prefix)
-    n = lengths.shape[0]
+    n = read_sequence_lengths(data_prefix).shape[0]
     matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
-    counts: dict[str, tuple[int, int] | None] = {}
-    for name, bookends in zip(SPLIT_NAMES, matrix):
-        if bookends is None:
-            counts[name] = None
-            continue
-        beg, end = round(bookends[0] * float(n)), round(bookends[1] * float(n))
-        counts[name] = (end - beg, int(lengths[beg:end].sum()))
-    return counts
+    return {
+        name: None if bookends is None else (round(bookends[0] * float(n)), round(bookends[1] * float(n)))
+        for name, bookends in zip(SPLIT_NAMES, matrix)
+    }
+
+
+def split_document_counts(data_prefix: str, split: str = "949,50,1") -> dict[str, tuple[int, int] | None]:
+    """``{split name: (documents, tokens)}`` as megatron-core will cut them; None = split unused."""
+    lengths = read_sequence_lengths(data_prefix)
+    return {
+        name: None if span is None else (span[1] - span[0], int(lengths[span[0] : span[1]].sum()))
+        for name, span in split_document_ranges(data_prefix, split).items()
+    }
 
 
 def build_gpt_datasets(

@@ -36,9 +36,13 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device | None = None
     get_batch does with `.cuda(non_blocking=True)`; the model and its loss live there. A GPU copy starts
     from pinned host memory, so that it runs asynchronously and the host can run ahead."""
     device = process_device() if device is None else device
-    if device.type == "cuda":
-        return {key: value.pin_memory().to(device, non_blocking=True) for key, value in batch.items()}
-    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+    pin = device.type == "cuda"
+    return {
+        key: (value.pin_memory() if pin else value).to(device, non_blocking=True)
+        if hasattr(value, "to")
+        else value
+        for key, value in batch.items()
+    }
 
 
 def sample_order(num_samples: int, epoch: int, shuffle_seed: int | None) -> np.ndarray:

@@ -13,19 +13,48 @@ O(s) activation memory per head on GPUs (flash) and a flash-style kernel on CPU.
 
 The head count is read from the tensors, never from the config, so resized (heads dropped) and
 migrated (guest heads appended) attention runs through it unchanged.
+
+Packed documents (megatron-core's `thd` format, `PackedSeqParams` with `cu_seqlens`): query, key and
+value come as (tokens, heads, hn) and attention stays inside each document, causal. On CUDA with
+bf16/fp16 it runs `torch.nn.attention.varlen.varlen_attn` (flash, its causal switch detected from the
+signature: `window_size=(-1, 0)` or `is_causal=True`); elsewhere causal SDPA per document, exact, whose
+cost is truly sum(s^2).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
+
+
+@dataclasses.dataclass
+class PackedDocuments(PackedSeqParams):
+    """megatron-core's `thd` packed-sequence parameters plus the documents' lengths on the host, so that
+    attention splits documents and counts their FLOPs without reading `cu_seqlens` back from the GPU."""
+
+    lengths: tuple[int, ...] = ()
+
+
+def packed_documents(cu_seqlens: torch.Tensor, lengths: Sequence[int]) -> PackedDocuments:
+    """The parameters of one packed micro-batch: `cu_seqlens` int32 [docs + 1] on the model's device and
+    the same documents' lengths as Python ints."""
+    longest = max(lengths)
+    return PackedDocuments(
+        qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+        max_seqlen_q=longest, max_seqlen_kv=longest, lengths=tuple(int(s) for s in lengths),
+    )  # fmt: skip
 
 
 class SDPACoreAttention(MegatronModule):
@@ -91,8 +120,10 @@ class SDPACoreAttention(MegatronModule):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("SDPA core attention takes no packed_seq_params or attention_bias")
+        if attention_bias is not None:
+            raise NotImplementedError("SDPA core attention takes no attention_bias")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         sq, b, np_, hn = query.shape
         q = query.permute(1, 2, 0, 3)  # (b, np, sq, hn)
@@ -112,8 +143,48 @@ class SDPACoreAttention(MegatronModule):
             context = self._sdpa(q, k, v, mask, dropout, causal, gqa)  # (b, np, sq, hn)
         return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)  # (sq, b, np*hn)
 
+    def _packed(self, query, key, value, params) -> torch.Tensor:
+        """Causal attention inside each packed document: (t, np, hn), (t, ng, hn) x2 -> (t, np*hn)."""
+        if params.qkv_format != "thd" or self.attn_mask_type != AttnMaskType.causal:
+            raise NotImplementedError("packed documents need causal attention in the thd format")
+        if self.training and self.dropout_p > 0.0:
+            raise NotImplementedError("packed documents run without attention dropout: set model.attention_dropout 0")
+        cu = params.cu_seqlens_q  # int32 [docs + 1]
+        t, np_, hn = query.shape
+        gqa = key.shape[1] != np_
+        varlen = _varlen_attn() if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) else None
+        if varlen is not None:
+            fn, causal = varlen
+            context = fn(query, key, value, cu, cu, params.max_seqlen_q, params.max_seqlen_q,
+                         scale=self.softmax_scale, enable_gqa=gqa, **causal)  # fmt: skip
+            return context.reshape(t, np_ * hn)
+        lengths = list(getattr(params, "lengths", ())) or (cu[1:] - cu[:-1]).tolist()
+        q = query.permute(1, 0, 2)  # (np, t, hn)
+        k, v = key.permute(1, 0, 2), value.permute(1, 0, 2)  # (ng, t, hn)
+        pieces = [
+            self._sdpa(qd, kd, vd, None, 0.0, True, gqa)  # (np, s, hn)
+            for qd, kd, vd in zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1))
+        ]
+        return torch.cat(pieces, dim=1).permute(1, 0, 2).reshape(t, np_ * hn)  # (t, np*hn)
+
     def _sdpa(self, q, k, v, mask, dropout: float, causal: bool, gqa: bool) -> torch.Tensor:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=self.softmax_scale,
             enable_gqa=gqa,
         )  # fmt: skip
+
+
+@functools.cache
+def _varlen_attn():
+    """(varlen_attn, its causal keyword) when this torch has the varlen API, else None. Its causal switch
+    was `is_causal=True` in early releases and `window_size=(-1, 0)` later: read from the signature."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" in params:
+        return varlen_attn, {"window_size": (-1, 0)}
+    if "is_causal" in params:
+        return varlen_attn, {"is_causal": True}
+    return None

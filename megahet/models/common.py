@@ -53,6 +53,7 @@ def transformer_config(cfg: MegahetConfig) -> TransformerConfig:
     dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
     fused = cuda_available()
     swiglu = m.activation == "swiglu"
+    packed = cfg.data.packing == "documents"
     # megatron-core's bias-GELU kernel needs a bias; its SwiGLU kernel runs with or without one.
     fused_bias_act = fused and (swiglu or m.add_bias_linear)
     if swiglu:
@@ -90,6 +91,12 @@ def transformer_config(cfg: MegahetConfig) -> TransformerConfig:
         persist_layer_norm=False,
         apply_rope_fusion=False,
         rotary_interleaved=m.rotary_interleaved,
+        # Packed documents: a micro-batch's loss is its token sum, normalized by the global batch's token
+        # count (megatron-core's per-token loss), and pipeline stages exchange activation shapes first.
+        calculate_per_token_loss=packed,
+        variable_seq_lengths=packed and p.pp > 1,
+        # No MoE here; megatron-core refuses variable lengths with its default (allgather) dispatcher anyway.
+        moe_token_dispatcher_type="alltoall" if packed and p.pp > 1 else "allgather",
     )
 
 

@@ -329,7 +329,13 @@ class ResizableSelfAttention(SelfAttention):
         own = self.num_local_heads if self.kept_heads is None else len(self.kept_heads)
         heads = own + self.guest_heads
         s, b = hidden_states.shape[0], hidden_states.shape[1]
-        flops = 4 * b * s * s * heads * self.hidden_size_per_attention_head  # QK^T and AV
+        packed = kwargs.get("packed_seq_params")
+        if packed is not None:  # attention inside each packed document: sum(s_i^2) score entries
+            lengths = getattr(packed, "lengths", ()) or packed.cu_seqlens_q.diff().tolist()
+            squares = sum(n * n for n in lengths)
+        else:
+            squares = b * s * s
+        flops = 4 * squares * heads * self.hidden_size_per_attention_head  # QK^T and AV
         self.executed_flops += flops
         if heads == self.num_local_heads and self.kept_heads is None:
             out = super().forward(hidden_states, *args, **kwargs)

@@ -127,6 +127,11 @@ def _validate_packing(cfg: MegahetConfig, dp: int) -> None:
     )
     _require(cap >= 2, f"data.max_tokens must be at least 2, got {cap}")
     _require(
+        dp == 1 or cfg.parallel.zero_stage == 1,
+        "data.packing=documents gives replicas different numbers of micro-batches, but ZeRO-2 reduces "
+        "gradients in every backward pass, so every replica must run as many: set parallel.zero_stage=1",
+    )
+    _require(
         m.attention == "sdpa",
         f"data.packing=documents needs attention that takes document boundaries: model.attention={m.attention} "
         f"runs one mask over the whole row; set model.attention sdpa",

@@ -178,6 +178,17 @@ class Trainer:
         for hook in self.step_hooks:
             hook.set_shares(self.shares)
 
+    def set_replica_speeds(self, speeds: tuple[float, ...]) -> None:
+        """Packed documents: plan the next global batches for replicas of these speeds (fastest = 1)."""
+        self.task.train_data.set_speeds(speeds)
+
+    def replica_work(self) -> float:
+        """What this replica's step held, in the units its speed is measured in: the predicted cost at speed 1
+        of its packed micro-batches, else its micro-batch count."""
+        if self.step_plan is None:
+            return float(self.shares[self.layout.dp_rank])
+        return self.step_plan.replica_work(self.layout.pp_size)[self.layout.dp_rank]
+
     def _begin_packed_step(self) -> None:
         """Plan the next global batch of packed documents (the same plan on every rank) and follow it: this
         replica's micro-batch count, the hooks that count micro-batches, the per-token loss scale."""

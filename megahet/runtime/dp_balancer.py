@@ -9,7 +9,8 @@ inside them, which every micro-batch pays too, and the waits for slower TP peers
 replica's pace; pipeline sends and receives and the data-parallel reduction fall outside) — gathered
 over the whole world by an asynchronous all-gather that completes while the step finishes. A rank's
 speed sample is micro-batches per second of that time (the embedding, output layer and loss move with
-the samples, so they count); the estimate is the median of the last `hetero.window` samples. A replica
+the samples, so they count; with packed documents: predicted cost at speed 1 per second, and the speeds
+go to the per-step document planner instead of shares); the estimate is the median of the last `hetero.window` samples. A replica
 runs at its slowest pipeline stage, a stage at its slowest TP rank (a TP balancer inside the replica
 raises that measured rate; the shares follow). At the start of a step every rank runs the same `dp_shares` on the same
 numbers, so every rank's shares are the same, with hysteresis, and back to even when the replicas are
@@ -68,6 +69,9 @@ class DataParallelBalancer(MeasuringHook):
         coords: Sequence[RankCoords],
         shares: tuple[int, ...],
         step_start: Callable[[], float] = time.perf_counter,
+        *,
+        work: Callable[[], float] | None = None,
+        apply_speeds: Callable[[tuple[float, ...]], None] | None = None,
     ):
         self.cfg, self.layout, self.apply, self.times = cfg.hetero, layout, apply, times
         self.coords = list(coords)
@@ -77,6 +81,11 @@ class DataParallelBalancer(MeasuringHook):
         self.measured = cfg.hetero.dp_shares == "measured"
         self.estimator = SpeedEstimator(layout.world_size, cfg.hetero.window)
         self.step_start = step_start
+        self.work = work if work is not None else (lambda: float(self.shares[self.layout.dp_rank]))
+        """This replica's work in the step: its micro-batches, or packed documents' predicted cost."""
+        self.apply_speeds = apply_speeds
+        """Packed documents: the speeds go to the per-step planner instead of whole-micro-batch shares."""
+        self.speeds_applied: tuple[float, ...] | None = None
         self.changes = 0
         self._due = False
         self.trace = (
@@ -95,8 +104,13 @@ class DataParallelBalancer(MeasuringHook):
     def after_step(self, engine) -> None:
         t = self.times()
         region_s = t.compute_s + t.wait_s  # the replica's time per micro-batch, TP collectives included
-        mine = torch.tensor([self.shares[self.layout.dp_rank], region_s], dtype=torch.float64)
+        mine = torch.tensor([self.work(), region_s], dtype=torch.float64)
         self._gather(mine)
+
+    def set_shares(self, shares: tuple[int, ...]) -> None:
+        """Packed documents: the step's micro-batches per replica, as planned (reported as the shares)."""
+        if self.apply_speeds is not None:
+            self.shares = tuple(shares)
 
     def _collect(self) -> None:
         gathered = self._take()
@@ -127,6 +141,15 @@ class DataParallelBalancer(MeasuringHook):
         return [s / fastest for s in speeds]
 
     def _plan(self) -> None:
+        if self.apply_speeds is not None:
+            speeds = tuple(self.replica_speeds())
+            if all(s >= 1 - self.cfg.healthy_gap for s in speeds):
+                speeds = (1.0,) * len(speeds)  # alike within the noise: plan them as equals
+            if speeds != self.speeds_applied:
+                self.speeds_applied = speeds
+                self.changes += 1
+                self.apply_speeds(speeds)
+            return
         new = dp_shares(
             self.replica_speeds(),
             self.num_microbatches,
@@ -159,6 +182,7 @@ class DataParallelBalancer(MeasuringHook):
             "samples": [list(s) for s in self.estimator.samples],
             "changes": self.changes,
             "due": self._due,
+            "speeds_applied": list(self.speeds_applied) if self.speeds_applied is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -167,7 +191,11 @@ class DataParallelBalancer(MeasuringHook):
             samples.clear()
             samples.extend(values)
         self.shares = tuple(state["shares"])
-        self.apply(self.shares)
+        if self.apply_speeds is None:
+            self.apply(self.shares)
+        elif state.get("speeds_applied") is not None:
+            self.speeds_applied = tuple(state["speeds_applied"])
+            self.apply_speeds(self.speeds_applied)
         self.changes, self._due, self.step = state["changes"], state["due"], state["step"]
         if self.trace is not None:
             self.trace.resume_from = self.step + 1

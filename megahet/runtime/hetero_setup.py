@@ -18,6 +18,7 @@ def start_heterogeneous(cfg: MegahetConfig, trainer, balancer) -> list | None:
     shares add the data-parallel balancer (first: it re-plans before a step's data is read). Returns
     every rank's (dp, pp, tp) when the run is heterogeneous (hetero.*), else None."""
     h, layout = cfg.hetero, trainer.layout
+    packed = hasattr(trainer.task.train_data, "set_speeds")
     if not (h.speeds or h.active or h.pp_active):
         return None
     from megahet.config_checks import ranks_per_node
@@ -33,7 +34,10 @@ def start_heterogeneous(cfg: MegahetConfig, trainer, balancer) -> list | None:
         by_coords = dict(zip(coords, declared))
         if h.active:  # a TP balancer evens each TP group out, else it runs at its slowest rank
             speeds = replica_speeds(by_coords, tp_balanced=balancer is not None and cfg.balance.plans)
-            trainer.set_shares(dp_shares(speeds, sum(trainer.shares), healthy_gap=h.healthy_gap))
+            if packed:  # documents are planned by cost over speed every step
+                trainer.set_replica_speeds(tuple(s / max(speeds) for s in speeds))
+            else:
+                trainer.set_shares(dp_shares(speeds, sum(trainer.shares), healthy_gap=h.healthy_gap))
         if balancer is not None:
             stage = [
                 [by_coords[(dp, layout.pp_rank, tp)] for tp in range(layout.tp_size)]
@@ -49,6 +53,8 @@ def start_heterogeneous(cfg: MegahetConfig, trainer, balancer) -> list | None:
             coords,
             trainer.shares,
             lambda: trainer.step_t0,
+            work=trainer.replica_work,
+            apply_speeds=trainer.set_replica_speeds if packed else None,
         )
         trainer.step_hooks.insert(0, dp_balancer)
     return coords

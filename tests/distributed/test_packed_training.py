@@ -1,0 +1,104 @@
+"""Packed documents in real `pretrain()` runs: any assignment of documents to replicas and micro-batches
+trains exactly as one rank running the whole global batch (issue 28).
+
+Every micro-batch's loss is its token sum; the Trainer scales it by DP / the global batch's tokens, so
+every token weighs the same whichever replica and micro-batch hold it. The reference is one rank packing
+the global batch (8 documents, pieces of at most 128 tokens) into its own micro-batches; against it,
+per step loss and gradient norm, and every parameter after 12 steps, within test_training.py's tolerances:
+- DP=2, replica 1 declared 0.4x as fast: the cost planner gives it about 0.4 of the predicted work, so the
+  replicas run different numbers of micro-batches (checked in the logged shares);
+- DP=2, documents dealt round-robin (another assignment, the same numbers);
+- PP=2 x DP=2 with the slow replica: each pipeline runs its own number of micro-batches of different
+  lengths (stages exchange activation shapes first);
+- TP=2 x DP=2, the slow replica's TP rank 1 migrating half its units to TP rank 0.
+
+Run: python -m pytest tests/distributed/test_packed_training.py -q   (about 2 minutes on 2 idle CPU cores)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from harness import GPT_MODEL, read_records
+from test_training import _common, _train, check_run
+
+PACKED = [
+    *GPT_MODEL, "--model.seq_length", "128", "--data.packing", "documents", "--data.max_tokens", "128",
+    "--train.micro_batch_size", "1", "--data.doc_cost", "2e-9,1e-6,1e-4",
+]  # fmt: skip
+SLOW = "--parallel.zero_stage 1 --hetero.dp_shares declared --hetero.speeds"
+
+
+@pytest.fixture(scope="module")
+def packed_reference(gpt_data: list[str], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    import torch
+
+    tmp = tmp_path_factory.mktemp("packed_reference")
+    run = _train(tmp, 1, {"ref": ""}, _common(gpt_data, tmp, PACKED))["ref"]
+    run["init_file"] = tmp / "init.pt"
+    torch.save(run["init"][0], run["init_file"])
+    return run
+
+
+def _counts(metrics: Path) -> list[tuple[int, int]]:
+    records = read_records(metrics)
+    return [
+        (int(r["share_dp0"]), int(r["share_dp1"])) for _, r in sorted(records.items()) if "share_dp0" in r
+    ]
+
+
+def test_packed_dp2_any_assignment_matches_one_rank(packed_reference: dict, gpt_data, tmp_path: Path):
+    metrics = tmp_path / "slow.jsonl"
+    variants = {
+        "slow": f"{SLOW} 1,0.4 --logging.metrics_file {metrics}",
+        "round_robin": "--parallel.zero_stage 1 --data.packing_strategy round_robin",
+    }
+    runs = _train(tmp_path, 2, variants, _common(gpt_data, tmp_path, PACKED))
+    counts = _counts(metrics)
+    assert counts and all(a > b for a, b in counts), counts  # the fast replica runs more micro-batches
+    for name, run in runs.items():
+        check_run("packed dp2 vs dp1", f"packed dp2 {name}", run, packed_reference, replicas=2, loaded=False)
+        assert [r["tokens"] for r in run["history"]] == [r["tokens"] for r in packed_reference["history"]]
+
+
+def test_packed_pp2_dp2_with_a_slow_replica_matches_one_rank(
+    packed_reference: dict, gpt_data, tmp_path: Path
+):
+    extra = f"--parallel.pp 2 {SLOW} 1,0.4,1,0.4"
+    run = _train(
+        tmp_path,
+        4,
+        {"pp2dp2": extra},
+        _common(gpt_data, tmp_path, PACKED),
+        init=packed_reference["init_file"],
+    )
+    check_run(
+        "packed pp2 x dp2 vs dp1",
+        "packed pp2 dp2 slow",
+        run["pp2dp2"],
+        packed_reference,
+        replicas=2,
+        loaded=True,
+    )
+
+
+def test_packed_tp2_dp2_with_a_migrating_replica_matches_one_rank(
+    packed_reference: dict, gpt_data, tmp_path: Path
+):
+    extra = f"--parallel.tp 2 --resize.migrate 1.1:0.5 {SLOW} 1,1,0.4,0.4"
+    run = _train(
+        tmp_path,
+        4,
+        {"tp2dp2": extra},
+        _common(gpt_data, tmp_path, PACKED),
+        init=packed_reference["init_file"],
+    )
+    check_run(
+        "packed tp2 x dp2 migrating",
+        "packed tp2 dp2 migrating",
+        run["tp2dp2"],
+        packed_reference,
+        replicas=2,
+        loaded=True,
+    )

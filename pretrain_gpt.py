@@ -111,7 +111,11 @@ def token_sum_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     mask = loss_mask.float()  # (1, t)
     loss_sum = (per_token_loss.float() * mask).sum()
     tokens = mask.sum()
-    return loss_sum, tokens.int(), {"loss": loss_sum.detach().clone(), "loss_sum": loss_sum.detach(), "tokens": tokens}
+    return (
+        loss_sum,
+        tokens.int(),
+        {"loss": loss_sum.detach().clone(), "loss_sum": loss_sum.detach(), "tokens": tokens},
+    )
 
 
 def packed_forward_step(data_iterator, model):
@@ -128,7 +132,9 @@ def eval_summary(sums: dict[str, float]) -> dict[str, float]:
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
 
 
-def build_packed(cfg: MegahetConfig, layout: ParallelLayout, prefix: str, tokenizer, tokenizer_model: str) -> Task:
+def build_packed(
+    cfg: MegahetConfig, layout: ParallelLayout, prefix: str, tokenizer, tokenizer_model: str
+) -> Task:
     """Whole documents packed into micro-batches of up to data.max_tokens tokens (docs/packing.md)."""
     d, t = cfg.data, cfg.train
     cap = packing_cap(cfg)

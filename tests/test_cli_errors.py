@@ -111,6 +111,28 @@ def _cases(tmp: Path) -> dict[str, tuple[str, list[str], dict[str, str]]]:
         "vit_tp_heads": ("vit", ["--parallel.tp", "3"], {"WORLD_SIZE": "3"}),
         "vit_rope": ("vit", ["--model.position_embedding_type", "rope"], one),
         "gqa_tp": ("gpt", ["--model.num_query_groups", "1", "--parallel.tp", "2"], {"WORLD_SIZE": "2"}),
+        "packing_micro_batch": ("gpt", ["--data.packing", "documents"], one),
+        "packing_local_attention": (
+            "gpt",
+            ["--data.packing", "documents", "--train.micro_batch_size", "1", "--model.attention", "local"],
+            one,
+        ),
+        "packing_token_cap": (
+            "gpt",
+            ["--data.packing", "documents", "--train.micro_batch_size", "1", "--train.global_batch_tokens", "100"],
+            {"WORLD_SIZE": "2"},
+        ),
+        "packing_zero2": (
+            "gpt",
+            ["--data.packing", "documents", "--train.micro_batch_size", "1", "--parallel.zero_stage", "2"],
+            {"WORLD_SIZE": "2"},
+        ),
+        "packing_doc_cost": (
+            "gpt",
+            ["--data.packing", "documents", "--train.micro_batch_size", "1", "--data.doc_cost", "1,2"],
+            one,
+        ),
+        "packing_vit": ("vit", ["--data.packing", "documents", "--train.micro_batch_size", "1"], one),
         # Control: valid input reaches the (replaced) process-group start.
         "valid_gpt": ("gpt", ["--train.train_iters", "1", "--logging.wandb", "false"], one),
     }
@@ -137,6 +159,12 @@ EXPECTED = {
     "vit_tp_heads": ["parallel.tp 3", "model.num_attention_heads"],
     "vit_rope": ["model.position_embedding_type", "ViT"],
     "gqa_tp": ["parallel.tp 2", "model.num_query_groups 1"],
+    "packing_micro_batch": ["data.packing=documents", "train.micro_batch_size 1"],
+    "packing_local_attention": ["model.attention=local", "document", "sdpa"],
+    "packing_token_cap": ["train.global_batch_tokens 100", "data.max_tokens 128"],
+    "packing_zero2": ["ZeRO-2", "parallel.zero_stage=1"],
+    "packing_doc_cost": ["data.doc_cost", "A,B,C"],
+    "packing_vit": ["data.packing", "ViT"],
 }
 
 

@@ -148,7 +148,9 @@ class SDPACoreAttention(MegatronModule):
         if params.qkv_format != "thd" or self.attn_mask_type != AttnMaskType.causal:
             raise NotImplementedError("packed documents need causal attention in the thd format")
         if self.training and self.dropout_p > 0.0:
-            raise NotImplementedError("packed documents run without attention dropout: set model.attention_dropout 0")
+            raise NotImplementedError(
+                "packed documents run without attention dropout: set model.attention_dropout 0"
+            )
         cu = params.cu_seqlens_q  # int32 [docs + 1]
         t, np_, hn = query.shape
         gqa = key.shape[1] != np_

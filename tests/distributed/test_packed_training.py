@@ -62,43 +62,16 @@ def test_packed_dp2_any_assignment_matches_one_rank(packed_reference: dict, gpt_
         assert [r["tokens"] for r in run["history"]] == [r["tokens"] for r in packed_reference["history"]]
 
 
-def test_packed_pp2_dp2_with_a_slow_replica_matches_one_rank(
-    packed_reference: dict, gpt_data, tmp_path: Path
+@pytest.mark.parametrize(
+    "name, extra",
+    [
+        ("pp2 x dp2 slow", f"--parallel.pp 2 {SLOW} 1,0.4,1,0.4"),
+        ("tp2 x dp2 migrating", f"--parallel.tp 2 --resize.migrate 1.1:0.5 {SLOW} 1,1,0.4,0.4"),
+    ],
+)
+def test_packed_four_rank_layouts_with_a_slow_replica_match_one_rank(
+    packed_reference: dict, gpt_data, tmp_path: Path, name: str, extra: str
 ):
-    extra = f"--parallel.pp 2 {SLOW} 1,0.4,1,0.4"
-    run = _train(
-        tmp_path,
-        4,
-        {"pp2dp2": extra},
-        _common(gpt_data, tmp_path, PACKED),
-        init=packed_reference["init_file"],
-    )
-    check_run(
-        "packed pp2 x dp2 vs dp1",
-        "packed pp2 dp2 slow",
-        run["pp2dp2"],
-        packed_reference,
-        replicas=2,
-        loaded=True,
-    )
-
-
-def test_packed_tp2_dp2_with_a_migrating_replica_matches_one_rank(
-    packed_reference: dict, gpt_data, tmp_path: Path
-):
-    extra = f"--parallel.tp 2 --resize.migrate 1.1:0.5 {SLOW} 1,1,0.4,0.4"
-    run = _train(
-        tmp_path,
-        4,
-        {"tp2dp2": extra},
-        _common(gpt_data, tmp_path, PACKED),
-        init=packed_reference["init_file"],
-    )
-    check_run(
-        "packed tp2 x dp2 migrating",
-        "packed tp2 dp2 migrating",
-        run["tp2dp2"],
-        packed_reference,
-        replicas=2,
-        loaded=True,
-    )
+    common = _common(gpt_data, tmp_path, PACKED)
+    run = _train(tmp_path, 4, {"run": extra}, common, init=packed_reference["init_file"])["run"]
+    check_run(f"packed {name}", f"packed {name}", run, packed_reference, replicas=2, loaded=True)

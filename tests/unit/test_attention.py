@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+from tiny_models import LLAMA, TINY_GPT
 
 from megahet.config import MegahetConfig, apply_overrides
 from megahet.models.attention import SDPACoreAttention
@@ -31,24 +32,12 @@ from megahet.tensor_parallel.plan import ResizePlan
 
 SEED = 2024
 VOCAB, SEQ, BATCH = 64, 16, 2
-LLAMA = {
-    "model.position_embedding_type": "rope",
-    "model.normalization": "RMSNorm",
-    "model.activation": "swiglu",
-    "model.num_query_groups": 2,
-    "model.add_bias_linear": False,
-    "model.untie_embeddings_and_output_weights": True,
-}
 
 
 def _cfg(**overrides) -> MegahetConfig:
     base = {
-        "model.num_layers": 2,
-        "model.hidden_size": 32,
-        "model.num_attention_heads": 4,
-        "model.ffn_hidden_size": 64,
+        **TINY_GPT,
         "model.seq_length": SEQ,
-        "model.make_vocab_size_divisible_by": 1,
         "model.patch_size": 7,
     }
     return apply_overrides(MegahetConfig(), {**base, **overrides})

@@ -28,6 +28,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from resize_gpt import DROPS, MICRO, SEQ, VOCAB, plan_of
 from strict_device import MixedDevices, StrictDevice
+from tiny_models import TINY_GPT
 
 from megahet.config import MegahetConfig, apply_overrides
 from megahet.models import common
@@ -41,12 +42,8 @@ from megahet.tensor_parallel.plan import ResizePlan
 REPO = Path(__file__).resolve().parents[2]
 SEED = 777
 SMALL = {
-    "model.num_layers": 2,
-    "model.hidden_size": 32,
-    "model.num_attention_heads": 4,
-    "model.ffn_hidden_size": 64,
+    **TINY_GPT,
     "model.seq_length": SEQ,
-    "model.make_vocab_size_divisible_by": 1,
     "model.image_size": 28,
     "model.patch_size": 7,
     "model.hidden_dropout": 0.0,

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from megatron.core import tensor_parallel
+from tiny_models import LLAMA, TINY_GPT
 
 from megahet.config import MegahetConfig, apply_overrides
 from megahet.data.documents import DocumentPieces
@@ -26,26 +27,10 @@ from megahet.models.gpt import build_gpt
 
 VOCAB, SEQ = 64, 32
 LENGTHS = (11, 5, 16)
-LLAMA = {
-    "model.position_embedding_type": "rope",
-    "model.normalization": "RMSNorm",
-    "model.activation": "swiglu",
-    "model.num_query_groups": 2,
-    "model.add_bias_linear": False,
-    "model.untie_embeddings_and_output_weights": True,
-}
 
 
 def _gpt(overrides: dict, resizable: bool):
-    base = {
-        "model.num_layers": 2,
-        "model.hidden_size": 32,
-        "model.num_attention_heads": 4,
-        "model.ffn_hidden_size": 64,
-        "model.seq_length": SEQ,
-        "model.make_vocab_size_divisible_by": 1,
-        "data.packing": "documents",
-    }
+    base = {**TINY_GPT, "model.seq_length": SEQ, "data.packing": "documents"}
     cfg = apply_overrides(MegahetConfig(), {**base, **overrides})
     torch.manual_seed(3)
     tensor_parallel.model_parallel_cuda_manual_seed(3)

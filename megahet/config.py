@@ -164,6 +164,8 @@ class DataConfig:
     token counts (verl); round_robin = documents dealt in order (no balancing)."""
     packing_tries: int = 16
     """GPT, packing: random document orders the replica assignment tries after longest-first."""
+    cost_window: int = 64
+    """GPT, packing: measured (replica, step) samples the document cost model is refitted on."""
     doc_cost: str | None = None
     """GPT, packing: a fixed cost model 'A,B,C' (seconds per token^2, per token, per micro-batch); None
     profiles it at start-up and refines it from measured step times."""

@@ -157,6 +157,7 @@ def _validate_packing(cfg: MegahetConfig, dp: int) -> None:
         f"train.global_batch_size {t.global_batch_size} documents cannot give each of {dp} replicas one: raise it",
     )
     _require(d.packing_tries >= 0, f"data.packing_tries must be >= 0, got {d.packing_tries}")
+    _require(d.cost_window >= 3, f"data.cost_window must be at least 3 (samples to fit a, b, c), got {d.cost_window}")
     if d.doc_cost is not None:
         parse_doc_cost(d.doc_cost)
 

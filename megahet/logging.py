@@ -37,8 +37,9 @@ _CONSOLE_FORMAT = {
     "balance_eff": "E {:.3f}",
 }
 # The plans, one value per TP rank (speed_tp0, ...), per DP replica (speed_dp0, share_dp0, ...) or per
-# pipeline stage (speed_pp0, layers_pp0, ...)
-_PER_RANK = re.compile(r"^(speed|gamma|moved|share|layers)_(tp|dp|pp)\d+$")
+# pipeline stage (speed_pp0, layers_pp0, ...); packed documents: each replica's predicted and measured
+# seconds of the last step (pred_s_dp0, meas_s_dp0, ...)
+_PER_RANK = re.compile(r"^(speed|gamma|moved|share|layers|pred_s|meas_s)_(tp|dp|pp)\d+$")
 _COUNTS = ("share", "layers")
 _EVALUATION = ("val_", "test_")
 

@@ -465,6 +465,10 @@ def build_trainer(
         balancer = BalanceController(cfg, layout, resizer, lambda: trainer.times, lambda: trainer.step_t0)
         trainer.step_hooks.insert(0, balancer)
     coords = start_heterogeneous(cfg, trainer, balancer if cfg.balance.active else None)
+    if hasattr(task.train_data, "begin_step"):  # packed documents: the cost model's profile and refits
+        from megahet.runtime.packing import PackingController
+
+        trainer.step_hooks.append(PackingController(cfg, trainer, layout))
     if pipeline:
         start_pipeline(cfg, trainer, coords, resplits)
     if resume is not None:

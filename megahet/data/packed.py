@@ -68,9 +68,11 @@ class StepPlan:
         return int(self.lengths.sum())
 
     def replica_work(self, pp: int = 1) -> list[float]:
-        """Each replica's predicted time at speed 1 (its 1F1B time of micro-batch costs)."""
+        """Each replica's predicted step time at speed 1: its 1F1B time of micro-batch costs, each stage
+        running 1 / PP of every micro-batch."""
         return [
-            pipeline_time(micro_batch_costs(mbs, self.lengths, self.cost), pp) for mbs in self.plan.replicas
+            pipeline_time(micro_batch_costs(mbs, self.lengths, self.cost), pp) / pp
+            for mbs in self.plan.replicas
         ]
 
     def replica_stats(self) -> list[dict[str, float]]:

@@ -62,10 +62,13 @@ def _run(name: str, out: Path, extra: str, *, save: str | None = None, load: str
     return args + (f" --train.load {out / load}" if load else "")
 
 
-def _killed_launch(out: Path, common: list[str], timeout: float = 240) -> None:
-    """Start the slowed plain run and SIGKILL it (every process) once its first checkpoint is complete."""
+def killed_launch(
+    out: Path, common: list[str], extra: str = PLAIN, ckpt: str = "ck_plain", timeout: float = 240
+) -> None:
+    """Start the slowed run `extra` (saving to and loading from `ckpt`) and SIGKILL it (every process) once
+    its first checkpoint is complete."""
     env = launch_env()
-    run = _run("killed", out, PLAIN, save="ck_plain", load="ck_plain")
+    run = _run("killed", out, extra, save=ckpt, load=ckpt)
     cmd = [
         *torchrun_cmd(2, free_port()),
         str(HERE / "workers/ckpt_train.py"),
@@ -78,7 +81,7 @@ def _killed_launch(out: Path, common: list[str], timeout: float = 240) -> None:
         proc = subprocess.Popen([*cmd, "--job", run, "--", *common], cwd=out, env=env, stdout=log, stderr=log)
         try:
             deadline = time.monotonic() + timeout
-            while not (out / "ck_plain" / "latest").is_file():
+            while not (out / ckpt / "latest").is_file():
                 assert proc.poll() is None, (out / "killed.log").read_text()[-3000:]
                 assert time.monotonic() < deadline, "no checkpoint before the timeout"
                 time.sleep(0.02)
@@ -105,7 +108,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, gpt_data: list[str]) -> Path:
         _run("full_resized", out, RESIZED, save="full_resized"),
     ]
     torchrun("workers/ckpt_train.py", 2, ["--out", str(out), *full, "--", *common], cwd=out)
-    _killed_launch(out, common)
+    killed_launch(out, common)
     _copy_step(out / "full_resized", out / "ck_resized", "iter_0000004")
     _copy_step(out / "full_resized", out / "ck_plans", "iter_0000004")
     resumed = [

@@ -1,0 +1,245 @@
+"""The packed-document runtime: profile the document cost at start-up, refine it as training runs, report it.
+
+Role: runtime (the step hook of data.packing=documents; the planner is megahet/policy/packing.py, the fit
+megahet/policy/cost_fit.py, the stream megahet/data/packed.py).
+
+- **Profile.** Before the first step (unless `data.doc_cost` fixes a, b, c or a checkpoint carries them)
+  every rank times its own pipeline stage's forward, without gradients, on the packs of
+  `probe_lengths(data.max_tokens)`: one document of the cap, two of half, ... Stages feed themselves
+  synthetic activations, so no stage waits for another; TP ranks run the same probes in step. A probe's
+  time is summed over the stages and the fastest replica's is kept (one all-reduce each); a, b, c are
+  fitted to 3x those forwards (forward + backward) and handed to the planner, the same on every rank.
+- **Refine.** After every step each rank contributes its replica's features (sum of s^2, tokens and
+  micro-batches of its step) and its compute time (an asynchronous all-gather, folded in at the next
+  step). A replica's time is its stages' compute summed (the slowest TP rank of each), times its speed.
+  Every `hetero.interval` steps the current model's mean absolute % error on the samples it never saw
+  is recorded (`cost_mape`) and the model is refitted: step samples alone hardly tell a, b and c apart
+  (every step holds a similar mix), so the profile's probes anchor the shape, rescaled by the median
+  measured / predicted ratio of the last `data.cost_window` samples, and the measured samples join them
+  in the fit; the refit is kept when it predicts the measured samples better than the rescaled profile.
+- **Telemetry** (`report()`): per replica its tokens, sum of s^2, micro-batches, predicted and measured
+  seconds of the last step, and the model's a, b, c and held-out error; they go to the console, W&B and
+  the metrics file like every report.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from megahet.config import MegahetConfig
+from megahet.config_checks import packing_cap
+from megahet.models.attention import packed_documents
+from megahet.parallel import ParallelLayout
+from megahet.platform import cuda_available
+from megahet.platform import device as process_device
+from megahet.policy.cost_fit import CostSample, fit_doc_cost, mean_abs_pct_error, probe_lengths
+from megahet.policy.packing import DocCost
+from megahet.runtime.hooks import MeasuringHook
+
+BACKWARD_FACTOR = 3.0
+"""Forward + backward over forward, for the start-up profile (refined from measured steps)."""
+
+
+def _sync() -> None:
+    if cuda_available():
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def time_stage_forward(model, lengths: list[int], hidden_size: int, vocab: int, repeats: int = 2) -> float:
+    """Seconds of this rank's stage forward on one pack of documents of these lengths (min of `repeats`
+    after a warm-up); a stage that is not the first gets synthetic activations."""
+    device = process_device()
+    t = int(sum(lengths))
+    g = torch.Generator().manual_seed(t)
+    tokens = torch.randint(0, vocab, (1, t), generator=g).to(device)  # (1, t)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].to(device)  # (1, t)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=device)
+    params = packed_documents(cu, lengths)
+    dtype = next(model.parameters()).dtype
+    best = float("inf")
+    for i in range(repeats + 1):
+        if not ps.is_pipeline_first_stage():
+            model.set_input_tensor(torch.randn(t, 1, hidden_size, generator=g).to(device, dtype))  # (t, 1, h)
+        _sync()
+        t0 = time.perf_counter()
+        model(tokens, positions, None, labels=tokens, packed_seq_params=params)
+        _sync()
+        if i > 0:  # the first call warms up kernels and allocations
+            best = min(best, time.perf_counter() - t0)
+    if not ps.is_pipeline_first_stage():
+        model.set_input_tensor(None)
+    return best
+
+
+def profile_doc_cost(model, cfg: MegahetConfig, vocab: int) -> tuple[DocCost, list[CostSample], float]:
+    """The start-up profile (module docstring): (fitted cost, its samples, seconds it took); every rank
+    gets the same cost."""
+    t0 = time.perf_counter()
+    packs = probe_lengths(packing_cap(cfg))
+    was_training = model.training
+    model.eval()
+    try:
+        times = torch.tensor(
+            [time_stage_forward(model, pack, cfg.model.hidden_size, vocab) for pack in packs],
+            dtype=torch.float64,
+        )
+    finally:
+        model.train(was_training)
+    dist.all_reduce(times, group=ps.get_pipeline_model_parallel_group())  # the whole model: stages add up
+    dist.all_reduce(times, op=dist.ReduceOp.MIN)  # the fastest replica's (speeds scale the others)
+    samples = [CostSample.of(pack, BACKWARD_FACTOR * float(s)) for pack, s in zip(packs, times)]
+    return fit_doc_cost(samples), samples, time.perf_counter() - t0
+
+
+class PackingController(MeasuringHook):
+    checkpointed = True
+    split_free = True  # the cost model does not depend on the layers per stage
+
+    def __init__(self, cfg: MegahetConfig, trainer, layout: ParallelLayout):
+        self.cfg = cfg.data
+        self.trainer, self.layout = trainer, layout
+        self.stream = trainer.task.train_data
+        self.interval, self.window = cfg.hetero.interval, cfg.data.cost_window
+        self.fixed = cfg.data.doc_cost is not None
+        self._model_cfg = cfg
+        self.needs_profile = not self.fixed
+        self.samples: deque[tuple[float, float, float, float]] = deque(maxlen=self.window)
+        """(sum s^2, tokens, micro-batches, seconds at speed 1) per replica and step, for the refit."""
+        self.unseen: list[CostSample] = []
+        """Samples since the last fit: the held-out error is measured on them."""
+        self.mape = float("nan")
+        self.profile_cost: DocCost | None = None
+        self.probes: list[CostSample] = []
+        """The start-up profile's fit and samples (they anchor every refit)."""
+        self.last: dict[str, float] = {}
+        self.step_start = lambda: trainer.step_t0
+
+    @property
+    def cost(self) -> DocCost:
+        return self.stream.cost
+
+    def before_forward_backward(self, step: int) -> None:
+        self.step = step
+        if self.needs_profile:
+            self.needs_profile = False
+            cost, samples, seconds = profile_doc_cost(
+                self.trainer.task.model, self._model_cfg, self.trainer.task.vocab_size or 1
+            )
+            self.stream.set_cost(cost)
+            self.profile_cost, self.probes = cost, samples
+            self.trainer.logger.print(
+                f"megahet: document cost a={cost.a:.3e} s/token^2, b={cost.b:.3e} s/token, c={cost.c:.3e} "
+                f"s/micro-batch from {len(samples)} probes in {seconds:.2f} s (fit error "
+                f"{100 * mean_abs_pct_error(cost, samples):.1f} %)"
+            )
+        self._collect()
+        if (
+            not self.fixed
+            and step > 0
+            and step % self.interval == 0
+            and len(self.samples) >= 3 * self.interval
+        ):
+            self._refit()
+
+    def after_step(self, engine) -> None:
+        plan = self.trainer.step_plan
+        if plan is None:
+            return
+        stats = plan.replica_stats()[self.layout.dp_rank]
+        t = self.trainer.times
+        mine = torch.tensor(
+            [
+                float(self.layout.dp_rank), float(self.layout.pp_rank), stats["sum_sq"], stats["tokens"],
+                stats["micro_batches"], t.compute_s, t.compute_s + t.wait_s,
+                self.stream.speeds[self.layout.dp_rank], plan.replica_work(self.layout.pp_size)[self.layout.dp_rank],
+            ],
+            dtype=torch.float64,
+        )  # fmt: skip
+        self._gather(mine)
+
+    def _collect(self) -> None:
+        gathered = self._take()
+        if gathered is None:
+            return
+        rows, _step, _step_s = gathered
+        compute: dict[tuple[int, int], float] = {}  # (dp, pp) -> slowest TP rank's compute
+        region: dict[int, float] = {}
+        features: dict[int, tuple[float, ...]] = {}
+        for row in rows:
+            dp, pp, sum_sq, tokens, micro, compute_s, region_s, speed, work = row.tolist()
+            dp, pp = int(dp), int(pp)
+            compute[(dp, pp)] = max(compute.get((dp, pp), 0.0), compute_s)
+            region[dp] = max(region.get(dp, 0.0), region_s)
+            features[dp] = (sum_sq, tokens, micro, speed, work)
+        last = {}
+        for dp, (sum_sq, tokens, micro, speed, work) in sorted(features.items()):
+            seconds = sum(v for (d, _), v in compute.items() if d == dp)  # the whole model's compute
+            sample = CostSample(sum_sq, tokens, micro, seconds * speed)
+            if seconds > 0:
+                self.samples.append((sum_sq, tokens, micro, seconds * speed))
+                self.unseen.append(sample)
+            last.update(
+                {
+                    f"tokens_dp{dp}": tokens,
+                    f"sum_sq_dp{dp}": sum_sq,
+                    f"micro_batches_dp{dp}": micro,
+                    f"pred_s_dp{dp}": work / speed,
+                    f"meas_s_dp{dp}": region[dp],
+                }
+            )
+        self.last = last
+
+    def _refit(self) -> None:
+        if self.unseen:
+            self.mape = mean_abs_pct_error(self.cost, self.unseen)
+        measured = [CostSample(*s) for s in self.samples]
+        base = self.profile_cost or self.cost
+        ratio = float(np.median([s.seconds / s.predict(base) for s in measured]))
+        scaled = DocCost(base.a * ratio, base.b * ratio, base.c * ratio)
+        probes = [CostSample(p.sum_sq, p.tokens, p.micro_batches, p.seconds * ratio) for p in self.probes]
+        best = scaled
+        try:
+            joint = fit_doc_cost(probes + measured)
+            if mean_abs_pct_error(joint, measured) < mean_abs_pct_error(scaled, measured):
+                best = joint
+        except ValueError:
+            pass
+        self.unseen = []
+        self.stream.set_cost(best)
+
+    def report(self) -> dict[str, float]:
+        self._collect()
+        c = self.cost
+        return {**self.last, "cost_a": c.a, "cost_b": c.b, "cost_c": c.c, "cost_mape": self.mape}
+
+    def state_dict(self) -> dict:
+        self._collect()
+        c = self.cost
+        return {
+            "cost": [c.a, c.b, c.c],
+            "samples": [list(s) for s in self.samples],
+            "unseen": [[s.sum_sq, s.tokens, s.micro_batches, s.seconds] for s in self.unseen],
+            "mape": self.mape,
+            "profile": None
+            if self.profile_cost is None
+            else [self.profile_cost.a, self.profile_cost.b, self.profile_cost.c],
+            "probes": [[s.sum_sq, s.tokens, s.micro_batches, s.seconds] for s in self.probes],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """The saved cost model and samples: a resumed run plans its next global batches as the killed one would."""
+        self.stream.set_cost(DocCost(*state["cost"]))
+        self.samples.clear()
+        self.samples.extend(tuple(s) for s in state["samples"])
+        self.unseen = [CostSample(*s) for s in state["unseen"]]
+        self.mape = state["mape"]
+        self.profile_cost = DocCost(*state["profile"]) if state["profile"] is not None else None
+        self.probes = [CostSample(*s) for s in state["probes"]]
+        self.needs_profile = False

@@ -75,6 +75,16 @@ class StepPlan:
             for mbs in self.plan.replicas
         ]
 
+    def micro_batch_spread(self) -> float:
+        """Slowest over mean predicted micro-batch cost, over every replica's micro-batches."""
+        costs = [c for mbs in self.plan.replicas for c in micro_batch_costs(mbs, self.lengths, self.cost)]
+        return max(costs) / (sum(costs) / len(costs))
+
+    def padding_fraction(self, cap: int) -> float:
+        """The share of the micro-batches' token capacity left empty: what padding to `cap` would waste
+        (packed micro-batches run unpadded here)."""
+        return 1.0 - self.tokens / (sum(self.counts) * cap)
+
     def replica_stats(self) -> list[dict[str, float]]:
         """Per replica: tokens, sum of s^2 and micro-batches (telemetry)."""
         out = []

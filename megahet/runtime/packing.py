@@ -18,7 +18,8 @@ megahet/policy/cost_fit.py, the stream megahet/data/packed.py).
   measured / predicted ratio of the last `data.cost_window` samples, and the measured samples join them
   in the fit; the refit is kept when it predicts the measured samples better than the rescaled profile.
 - **Telemetry** (`report()`): per replica its tokens, sum of s^2, micro-batches, predicted and measured
-  seconds of the last step, and the model's a, b, c and held-out error; they go to the console, W&B and
+  seconds of the last step; the step's slowest / mean predicted micro-batch (`mb_max_mean`) and the
+  padding a static shape would need (`padding`); the model's a, b, c and held-out error; they go to the console, W&B and
   the metrics file like every report.
 """
 
@@ -119,6 +120,8 @@ class PackingController(MeasuringHook):
         self.probes: list[CostSample] = []
         """The start-up profile's fit and samples (they anchor every refit)."""
         self.last: dict[str, float] = {}
+        self.plan_stats: dict[str, float] = {}
+        """The last step's plan: slowest / mean predicted micro-batch, padding fraction at the token cap."""
         self.step_start = lambda: trainer.step_t0
 
     @property
@@ -152,6 +155,10 @@ class PackingController(MeasuringHook):
         plan = self.trainer.step_plan
         if plan is None:
             return
+        self.plan_stats = {
+            "mb_max_mean": plan.micro_batch_spread(),
+            "padding": plan.padding_fraction(self.stream.cap),
+        }
         stats = plan.replica_stats()[self.layout.dp_rank]
         t = self.trainer.times
         mine = torch.tensor(
@@ -217,7 +224,14 @@ class PackingController(MeasuringHook):
     def report(self) -> dict[str, float]:
         self._collect()
         c = self.cost
-        return {**self.last, "cost_a": c.a, "cost_b": c.b, "cost_c": c.c, "cost_mape": self.mape}
+        return {
+            **self.last,
+            **self.plan_stats,
+            "cost_a": c.a,
+            "cost_b": c.b,
+            "cost_c": c.c,
+            "cost_mape": self.mape,
+        }
 
     def state_dict(self) -> dict:
         self._collect()

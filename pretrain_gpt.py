@@ -21,7 +21,7 @@ import torch
 
 from megahet.checkpointing.checkpoint import start_iteration, start_sample
 from megahet.config import ConfigError, MegahetConfig
-from megahet.config_checks import packing_cap, parse_doc_cost
+from megahet.config_checks import parse_doc_cost, replica_caps
 from megahet.data.documents import DocumentPieces
 from megahet.data.gpt_data import build_gpt_datasets
 from megahet.data.packed import DEFAULT_COST, PackedStream, packed_eval_batches
@@ -137,12 +137,14 @@ def build_packed(
 ) -> Task:
     """Whole documents packed into micro-batches of up to data.max_tokens tokens (docs/packing.md)."""
     d, t = cfg.data, cfg.train
-    cap = packing_cap(cfg)
+    caps = replica_caps(cfg, layout.dp_size)
+    # Training pieces up to the largest cap (the plan sends them to a replica that holds them); evaluation
+    # runs the same micro-batches on every replica: up to the smallest.
     pieces = {
         name: DocumentPieces.from_split(
             prefix, split=d.split, name=name, max_tokens=cap, mix=d.length_mix, seed=t.seed
         )
-        for name in ("train", "valid")
+        for name, cap in (("train", max(caps)), ("valid", min(caps)))
     }
     batch = (
         {"tokens_per_batch": t.global_batch_tokens}
@@ -150,7 +152,7 @@ def build_packed(
         else {"documents_per_batch": t.global_batch_size}
     )
     stream = PackedStream(
-        pieces["train"], dp_rank=layout.dp_rank, dp_size=layout.dp_size, cap=cap, pp=layout.pp_size,
+        pieces["train"], dp_rank=layout.dp_rank, dp_size=layout.dp_size, cap=caps, pp=layout.pp_size,
         seed=t.seed, start_step=start_iteration(cfg), strategy=d.packing_strategy, tries=d.packing_tries,
         cost=DocCost(*parse_doc_cost(d.doc_cost)) if d.doc_cost else DEFAULT_COST, **batch,
     )  # fmt: skip
@@ -158,14 +160,14 @@ def build_packed(
         model=build_gpt(cfg, tokenizer.vocab_size),
         vocab_size=tokenizer.vocab_size,
         tokenizer_model=tokenizer_model,
-        seq_length=cap,
+        seq_length=max(caps),
         train_data=stream,
         eval_data=lambda: packed_eval_batches(
-            pieces["valid"], dp_rank=layout.dp_rank, dp_size=layout.dp_size, cap=cap, iters=t.eval_iters
+            pieces["valid"], dp_rank=layout.dp_rank, dp_size=layout.dp_size, cap=min(caps), iters=t.eval_iters
         ),
         forward_step=packed_forward_step,
         eval_summary=eval_summary,
-        tokens_per_sample=cap,
+        tokens_per_sample=max(caps),
     )
 
 

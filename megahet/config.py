@@ -156,6 +156,9 @@ class DataConfig:
     positions restarting per document, planned over replicas by cost and speed (docs/packing.md)."""
     max_tokens: int | None = None
     """GPT, packing: tokens per packed micro-batch (longer documents are cut into pieces); default model.seq_length."""
+    replica_max_tokens: str | None = None
+    """GPT, packing: a token cap per DP replica, comma-separated (e.g. 4096,2048 for a replica of GPUs with
+    less memory); documents longer than a replica's cap go to one that holds them. Default data.max_tokens."""
     length_mix: Literal["documents", "web", "code"] = "documents"
     """GPT, packing: the corpus's own documents, or its text re-cut at web-like or code-like lengths
     (log-normal body, Pareto tail)."""

@@ -116,16 +116,39 @@ def packing_cap(cfg: MegahetConfig) -> int:
     return cfg.data.max_tokens if cfg.data.max_tokens is not None else cfg.model.seq_length
 
 
+def replica_caps(cfg: MegahetConfig, dp: int) -> tuple[int, ...]:
+    """The token cap of each DP replica's micro-batches: data.replica_max_tokens, else data.max_tokens each."""
+    text = cfg.data.replica_max_tokens
+    if text is None:
+        return (packing_cap(cfg),) * dp
+    try:
+        caps = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        caps = ()
+    if len(caps) != dp or min(caps) < 2:
+        raise ConfigError(
+            f"data.replica_max_tokens {text!r} must give {dp} token caps of at least 2, one per data-parallel "
+            f"replica (e.g. {','.join(['2048'] * dp)}); leave it unset for data.max_tokens everywhere"
+        )
+    return caps
+
+
 def _validate_packing(cfg: MegahetConfig, dp: int) -> None:
     """data.packing=documents: whole documents per micro-batch row, attention that takes document masks."""
     d, m, t = cfg.data, cfg.model, cfg.train
-    cap = packing_cap(cfg)
+    caps = replica_caps(cfg, dp)
+    cap = max(caps)
     _require(
         t.micro_batch_size == 1,
         f"data.packing=documents packs documents into one row per micro-batch: set train.micro_batch_size 1 "
         f"(got {t.micro_batch_size}; data.max_tokens sets the tokens per micro-batch)",
     )
-    _require(cap >= 2, f"data.max_tokens must be at least 2, got {cap}")
+    _require(packing_cap(cfg) >= 2, f"data.max_tokens must be at least 2, got {packing_cap(cfg)}")
+    _require(
+        len(set(caps)) == 1 or d.packing_strategy == "cost",
+        f"data.replica_max_tokens gives replicas different caps; data.packing_strategy={d.packing_strategy} "
+        f"plans one cap for all: use data.packing_strategy cost",
+    )
     _require(
         dp == 1 or cfg.parallel.zero_stage == 1,
         "data.packing=documents gives replicas different numbers of micro-batches, but ZeRO-2 reduces "
@@ -144,20 +167,23 @@ def _validate_packing(cfg: MegahetConfig, dp: int) -> None:
     _require(
         m.position_embedding_type == "rope" or cap <= m.seq_length,
         f"data.max_tokens {cap} exceeds model.seq_length {m.seq_length}, the learned position table: "
-        f"lower data.max_tokens or raise model.seq_length",
+        f"lower data.max_tokens (and data.replica_max_tokens) or raise model.seq_length",
     )
     if t.global_batch_tokens is not None:
         _require(
-            t.global_batch_tokens >= dp * cap,
+            t.global_batch_tokens >= sum(caps),
             f"train.global_batch_tokens {t.global_batch_tokens} is less than one full micro-batch per replica "
-            f"(DP {dp} x data.max_tokens {cap}): raise it or lower data.max_tokens",
+            f"({sum(caps)} = the replicas' token caps): raise it or lower data.max_tokens",
         )
     _require(
         t.global_batch_size >= dp,
         f"train.global_batch_size {t.global_batch_size} documents cannot give each of {dp} replicas one: raise it",
     )
     _require(d.packing_tries >= 0, f"data.packing_tries must be >= 0, got {d.packing_tries}")
-    _require(d.cost_window >= 3, f"data.cost_window must be at least 3 (samples to fit a, b, c), got {d.cost_window}")
+    _require(
+        d.cost_window >= 3,
+        f"data.cost_window must be at least 3 (samples to fit a, b, c), got {d.cost_window}",
+    )
     if d.doc_cost is not None:
         parse_doc_cost(d.doc_cost)
 

@@ -119,7 +119,14 @@ def _cases(tmp: Path) -> dict[str, tuple[str, list[str], dict[str, str]]]:
         ),
         "packing_token_cap": (
             "gpt",
-            ["--data.packing", "documents", "--train.micro_batch_size", "1", "--train.global_batch_tokens", "100"],
+            [
+                "--data.packing",
+                "documents",
+                "--train.micro_batch_size",
+                "1",
+                "--train.global_batch_tokens",
+                "100",
+            ],
             {"WORLD_SIZE": "2"},
         ),
         "packing_zero2": (
@@ -131,6 +138,18 @@ def _cases(tmp: Path) -> dict[str, tuple[str, list[str], dict[str, str]]]:
             "gpt",
             ["--data.packing", "documents", "--train.micro_batch_size", "1", "--data.doc_cost", "1,2"],
             one,
+        ),
+        "packing_replica_caps": (
+            "gpt",
+            [
+                "--data.packing",
+                "documents",
+                "--train.micro_batch_size",
+                "1",
+                "--data.replica_max_tokens",
+                "128",
+            ],
+            {"WORLD_SIZE": "2"},
         ),
         "packing_vit": ("vit", ["--data.packing", "documents", "--train.micro_batch_size", "1"], one),
         # Control: valid input reaches the (replaced) process-group start.
@@ -161,10 +180,11 @@ EXPECTED = {
     "gqa_tp": ["parallel.tp 2", "model.num_query_groups 1"],
     "packing_micro_batch": ["data.packing=documents", "train.micro_batch_size 1"],
     "packing_local_attention": ["model.attention=local", "document", "sdpa"],
-    "packing_token_cap": ["train.global_batch_tokens 100", "data.max_tokens 128"],
+    "packing_token_cap": ["train.global_batch_tokens 100", "256 = the replicas' token caps"],
     "packing_zero2": ["ZeRO-2", "parallel.zero_stage=1"],
     "packing_doc_cost": ["data.doc_cost", "A,B,C"],
     "packing_vit": ["data.packing", "ViT"],
+    "packing_replica_caps": ["data.replica_max_tokens '128'", "2 token caps"],
 }
 
 

@@ -84,7 +84,10 @@ class DocumentPieces:
 
     def read(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """(inputs, labels) of piece i: int64 [s] each."""
-        start, length = int(self.starts[i]), int(self.lengths[i])
+        return self.read_span(int(self.starts[i]), int(self.lengths[i]))
+
+    def read_span(self, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """(inputs, labels) of the `length` positions from token `start` (a piece or part of one)."""
         run = np.asarray(self.tokens[start : start + length + 1], dtype=np.int64)
         return run[:-1], run[1:]
 

@@ -13,6 +13,7 @@ A micro-batch is one row of concatenated documents (b = 1, t = their tokens) wit
 at 0 in each, `cu_seqlens` at their boundaries and the lengths on the host (`doc_lengths`):
 
     stream = PackedStream(pieces, dp_rank=0, dp_size=2, documents_per_batch=32, cap=2048, seed=1234)
+    # cap=(4096, 2048): replica 1 (less memory) takes micro-batches of at most 2048 tokens
     step = stream.begin_step()      # plans the next global batch: step.counts[r] micro-batches on replica r
     batch = next(stream)            # tokens/labels/position_ids int64 [1, t], loss_mask float [1, t], cu_seqlens int32 [k+1]
 """
@@ -53,6 +54,8 @@ class StepPlan:
     """Piece index (into the DocumentPieces) of each of the global batch's documents, int64 [n]."""
     lengths: np.ndarray
     """Their positions, int64 [n]."""
+    starts: np.ndarray
+    """Their first tokens in the split's token stream, int64 [n]."""
     plan: BatchPlan
     """Indices into `documents` per replica and micro-batch."""
     cost: DocCost
@@ -80,10 +83,10 @@ class StepPlan:
         costs = [c for mbs in self.plan.replicas for c in micro_batch_costs(mbs, self.lengths, self.cost)]
         return max(costs) / (sum(costs) / len(costs))
 
-    def padding_fraction(self, cap: int) -> float:
-        """The share of the micro-batches' token capacity left empty: what padding to `cap` would waste
-        (packed micro-batches run unpadded here)."""
-        return 1.0 - self.tokens / (sum(self.counts) * cap)
+    def padding_fraction(self, caps: Sequence[int]) -> float:
+        """The share of the micro-batches' token capacity (replica r's `caps[r]` each) left empty: what
+        padding to the cap would waste (packed micro-batches run unpadded here)."""
+        return 1.0 - self.tokens / sum(n * cap for n, cap in zip(self.counts, caps, strict=True))
 
     def replica_stats(self) -> list[dict[str, float]]:
         """Per replica: tokens, sum of s^2 and micro-batches (telemetry)."""
@@ -98,7 +101,18 @@ class StepPlan:
 
 def collate_documents(pieces: DocumentPieces, indices: Sequence[int]) -> dict:
     """One packed micro-batch of these pieces, in order."""
-    reads = [pieces.read(int(i)) for i in indices]
+    return collate_spans(pieces, [(int(pieces.starts[i]), int(pieces.lengths[i])) for i in indices])
+
+
+def collate_spans(pieces: DocumentPieces, spans: Sequence[tuple[int, int]]) -> dict:
+    """One packed micro-batch of these (first token, positions) spans of the split, in order. No spans: one
+    masked token (a replica whose cap no document of the global batch fits still runs a micro-batch, so
+    that its gradients join the reduction; it adds no loss and no token)."""
+    if not spans:
+        batch = collate_spans(pieces, [(0, 1)])
+        batch["loss_mask"].zero_()
+        return batch
+    reads = [pieces.read_span(start, length) for start, length in spans]
     lengths = [len(x) for x, _ in reads]
     cu = np.zeros(len(lengths) + 1, dtype=np.int32)
     np.cumsum(lengths, out=cu[1:])
@@ -122,7 +136,7 @@ class PackedStream:
         *,
         dp_rank: int,
         dp_size: int,
-        cap: int,
+        cap: int | Sequence[int],
         documents_per_batch: int | None = None,
         tokens_per_batch: int | None = None,
         pp: int = 1,
@@ -137,9 +151,14 @@ class PackedStream:
             raise ValueError("give the global batch in documents or in tokens, not both")
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown packing strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
-        if int(pieces.lengths.max()) > cap:
-            raise ValueError(f"pieces of up to {int(pieces.lengths.max())} tokens exceed the token cap {cap}")
-        self.pieces, self.dp_rank, self.dp_size, self.cap, self.pp = pieces, dp_rank, dp_size, cap, pp
+        caps = tuple(cap) if isinstance(cap, Sequence) else (cap,) * dp_size
+        if len(caps) != dp_size:
+            raise ValueError(f"need one token cap per replica ({dp_size}), got {list(caps)}")
+        if int(pieces.lengths.max()) > max(caps):
+            raise ValueError(
+                f"pieces of up to {int(pieces.lengths.max())} tokens exceed the token cap {max(caps)}"
+            )
+        self.pieces, self.dp_rank, self.dp_size, self.caps, self.pp = pieces, dp_rank, dp_size, caps, pp
         self.documents_per_batch, self.tokens_per_batch = documents_per_batch, tokens_per_batch
         self.seed, self.shuffle, self.strategy, self.tries = seed, shuffle, strategy, tries
         self.cost = cost
@@ -192,18 +211,18 @@ class PackedStream:
         """The plan of global batch `step` (pure in the stream's settings: every rank gets the same one)."""
         start, end = self._batch_bounds(step)
         documents = self._take(start, end - start)
+        starts = self.pieces.starts[documents].astype(np.int64)
         lengths = self.pieces.lengths[documents].astype(np.int64)
-        caps = (self.cap,) * self.dp_size
         if self.strategy == "cost":
             plan = cost_balanced_plan(
-                lengths, self.cost, self.speeds, caps, self.pp, seed=(self.seed * 1_000_003 + step) % 2**32,
+                lengths, self.cost, self.speeds, self.caps, self.pp, seed=(self.seed * 1_000_003 + step) % 2**32,
                 tries=self.tries,
             )  # fmt: skip
         elif self.strategy == "tokens":
-            plan = token_balanced_plan(lengths, self.dp_size, self.cap)
+            plan = token_balanced_plan(lengths, self.dp_size, min(self.caps))
         else:
-            plan = round_robin_plan(lengths, self.dp_size, self.cap)
-        return StepPlan(step, documents, lengths, plan, self.cost)
+            plan = round_robin_plan(lengths, self.dp_size, min(self.caps))
+        return StepPlan(step, documents, lengths, starts, plan, self.cost)
 
     def begin_step(self) -> StepPlan:
         """Plan the next global batch; this replica's micro-batches of it follow from `next()`."""
@@ -223,7 +242,8 @@ class PackedStream:
                 "the packed stream's step is used up: call begin_step() for the next global batch"
             )
         micro_batch = self._queue.pop(0)
-        return collate_documents(self.pieces, self.current.documents[list(micro_batch)])
+        plan = self.current
+        return collate_spans(self.pieces, [(int(plan.starts[i]), int(plan.lengths[i])) for i in micro_batch])
 
 
 def packed_eval_batches(

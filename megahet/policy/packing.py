@@ -135,17 +135,16 @@ def _greedy_assign(
 
 
 def _fill_empty(owner: np.ndarray, lengths: np.ndarray, caps: np.ndarray, replicas: int) -> np.ndarray:
-    """Every replica runs at least one micro-batch: an empty one takes the shortest document it can hold
-    from the replica with the most documents."""
+    """An empty replica takes the shortest document it can hold from the replica with the most documents;
+    one whose cap none of them fits stays empty (it then runs one empty micro-batch)."""
     owner = owner.copy()
     for r in range(replicas):
         if (owner == r).any():
             continue
         counts = np.bincount(owner, minlength=replicas)
         donors = np.flatnonzero((counts[owner] > 1) & (lengths <= caps[r]))
-        if donors.size == 0:
-            raise ValueError(f"replica {r} can hold none of the documents: raise its token cap")
-        owner[donors[np.argmin(lengths[donors])]] = r
+        if donors.size:
+            owner[donors[np.argmin(lengths[donors])]] = r
     return owner
 
 
@@ -226,7 +225,7 @@ def _plan_from_owner(
     replicas = []
     for r, cap in enumerate(caps):
         mine = np.flatnonzero(owner == r)
-        packed = pack_micro_batches(lengths[mine], cost, cap, pp)
+        packed = pack_micro_batches(lengths[mine], cost, cap, pp) or [[]]  # none it can hold: one empty
         replicas.append(tuple(tuple(int(mine[i]) for i in mb) for mb in packed))
     return BatchPlan(tuple(replicas))
 
@@ -241,10 +240,16 @@ def cost_balanced_plan(
     seed: int = 0,
     tries: int = 16,
 ) -> BatchPlan:
-    """This issue's plan: stage 1 by predicted cost over measured speed, stage 2 by the replica's 1F1B time."""
+    """This issue's plan: stage 1 by predicted cost over measured speed, stage 2 by the replica's 1F1B time.
+    Every replica runs at least one micro-batch: an empty one (no document) when its cap fits none."""
     lengths = np.asarray(lengths, dtype=np.int64)
     owner = assign_replicas(lengths, cost, speeds, caps, seed=seed, tries=tries)
     return _plan_from_owner(owner, lengths, cost, caps, pp)
+
+
+def _check_fits(lengths: np.ndarray, cap: int) -> None:
+    if lengths.size and lengths.max() > cap:
+        raise ValueError(f"a document of {int(lengths.max())} tokens exceeds the token cap {cap}")
 
 
 def karmarkar_karp(values: Sequence[float], parts: int) -> list[list[int]]:
@@ -277,6 +282,7 @@ def token_balanced_plan(lengths: Sequence[int], dp: int, cap: int) -> BatchPlan:
     """The verl baseline: Karmarkar-Karp on token counts over the replicas, then over the fewest micro-batches
     of at most `cap` tokens (one more while a part overflows); blind to cost and speed."""
     lengths = np.asarray(lengths, dtype=np.int64)
+    _check_fits(lengths, cap)
     replicas = []
     for part in karmarkar_karp(lengths.tolist(), dp):
         mine = lengths[part]
@@ -294,6 +300,7 @@ def round_robin_plan(lengths: Sequence[int], dp: int, cap: int) -> BatchPlan:
     """Documents dealt to replicas in order (i -> i mod D), each replica packing them in order, a new
     micro-batch when the next document does not fit: what packing without balancing gives."""
     lengths = np.asarray(lengths, dtype=np.int64)
+    _check_fits(lengths, cap)
     if len(lengths) < dp:
         raise ValueError(f"{len(lengths)} documents cannot give each of {dp} replicas one")
     replicas = []

@@ -5,7 +5,7 @@ megahet/policy/cost_fit.py, the stream megahet/data/packed.py).
 
 - **Profile.** Before the first step (unless `data.doc_cost` fixes a, b, c or a checkpoint carries them)
   every rank times its own pipeline stage's forward, without gradients, on the packs of
-  `probe_lengths(data.max_tokens)`: one document of the cap, two of half, ... Stages feed themselves
+  `probe_lengths(cap)` (the smallest replica token cap): one document of the cap, two of half, ... Stages feed themselves
   synthetic activations, so no stage waits for another; TP ranks run the same probes in step. A probe's
   time is summed over the stages and the fastest replica's is kept (one all-reduce each); a, b, c are
   fitted to 3x those forwards (forward + backward) and handed to the planner, the same on every rank.
@@ -34,7 +34,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megahet.config import MegahetConfig
-from megahet.config_checks import packing_cap
+from megahet.config_checks import replica_caps
 from megahet.models.attention import packed_documents
 from megahet.parallel import ParallelLayout
 from megahet.platform import cuda_available
@@ -83,7 +83,9 @@ def profile_doc_cost(model, cfg: MegahetConfig, vocab: int) -> tuple[DocCost, li
     """The start-up profile (module docstring): (fitted cost, its samples, seconds it took); every rank
     gets the same cost."""
     t0 = time.perf_counter()
-    packs = probe_lengths(packing_cap(cfg))
+    packs = probe_lengths(
+        min(replica_caps(cfg, ps.get_data_parallel_world_size()))
+    )  # every replica holds them
     was_training = model.training
     model.eval()
     try:
@@ -157,7 +159,7 @@ class PackingController(MeasuringHook):
             return
         self.plan_stats = {
             "mb_max_mean": plan.micro_batch_spread(),
-            "padding": plan.padding_fraction(self.stream.cap),
+            "padding": plan.padding_fraction(self.stream.caps),
         }
         stats = plan.replica_stats()[self.layout.dp_rank]
         t = self.trainer.times

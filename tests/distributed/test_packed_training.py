@@ -8,8 +8,9 @@ per step loss and gradient norm, and every parameter after 12 steps, within test
 - DP=2, replica 1 declared 0.4x as fast: the cost planner gives it about 0.4 of the predicted work, so the
   replicas run different numbers of micro-batches (checked in the logged shares);
 - DP=2, documents dealt round-robin (another assignment, the same numbers);
-- PP=2 x DP=2 with the slow replica: each pipeline runs its own number of micro-batches of different
-  lengths (stages exchange activation shapes first);
+- DP=2, replica 1 capped at 64 tokens per micro-batch (less memory): the longer documents go to replica 0;
+- PP=2 x DP=2 with the slow replica and uneven stages (1 and 3 layers): each pipeline runs its own
+  number of micro-batches of different lengths (stages exchange activation shapes first);
 - TP=2 x DP=2, the slow replica's TP rank 1 migrating half its units to TP rank 0.
 
 Run: python -m pytest tests/distributed/test_packed_training.py -q   (about 2 minutes on 2 idle CPU cores)
@@ -53,6 +54,7 @@ def test_packed_dp2_any_assignment_matches_one_rank(packed_reference: dict, gpt_
     variants = {
         "slow": f"{SLOW} 1,0.4 --logging.metrics_file {metrics}",
         "round_robin": "--parallel.zero_stage 1 --data.packing_strategy round_robin",
+        "caps": "--parallel.zero_stage 1 --data.replica_max_tokens 128,64",
     }
     runs = _train(tmp_path, 2, variants, _common(gpt_data, tmp_path, PACKED))
     counts = _counts(metrics)
@@ -65,7 +67,7 @@ def test_packed_dp2_any_assignment_matches_one_rank(packed_reference: dict, gpt_
 @pytest.mark.parametrize(
     "name, extra",
     [
-        ("pp2 x dp2 slow", f"--parallel.pp 2 {SLOW} 1,0.4,1,0.4"),
+        ("pp2 x dp2 slow, uneven stages", f"--parallel.pp 2 --parallel.stage_layers 1,3 {SLOW} 1,0.4,1,0.4"),
         ("tp2 x dp2 migrating", f"--parallel.tp 2 --resize.migrate 1.1:0.5 {SLOW} 1,1,0.4,0.4"),
     ],
 )

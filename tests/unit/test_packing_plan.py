@@ -6,7 +6,8 @@
 - the cost-balanced plan is as good as the token-balanced one on alike replicas, far better with a slow one;
 - Karmarkar-Karp and round-robin baselines; the cost fit recovers a known a, b, c; generated mixes;
 - the stream: every document once per epoch over many global batches (documents or tokens per batch),
-  resuming at step k gives the same batches, and replicas read disjoint documents of one plan.
+  resuming at step k gives the same batches, replicas read disjoint documents of one plan, and a replica
+  with a smaller token cap never gets a micro-batch over it.
 
 Run: ``python -m pytest tests/unit/test_packing_plan.py -q``
 """
@@ -148,6 +149,31 @@ def test_stream_uses_every_document_once_per_epoch_and_resumes_exactly(size) -> 
     original = PackedStream(pieces, dp_rank=0, dp_size=2, cap=64, seed=9, **size)
     assert resumed.plan(3).plan == original.plan(3).plan
     assert (resumed.plan(3).documents == original.plan(3).documents).all()
+
+
+def test_stream_sends_long_documents_to_the_replica_with_the_larger_cap() -> None:
+    pieces = _pieces(n=60, cap=64)
+    stream = PackedStream(pieces, dp_rank=1, dp_size=2, cap=(64, 32), documents_per_batch=20, seed=2)
+    for _ in range(4):
+        step = stream.begin_step()
+        small = step.plan.replicas[1]
+        assert small and all(step.lengths[list(mb)].sum() <= 32 for mb in small)
+        assert all(step.lengths[list(mb)].sum() <= 64 for mb in step.plan.replicas[0])
+        assert step.padding_fraction((64, 32)) >= 0
+        for _ in range(step.counts[1]):
+            assert next(stream)["tokens"].shape[1] <= 32
+
+
+def test_a_replica_whose_cap_no_document_fits_runs_one_empty_masked_micro_batch() -> None:
+    plan = cost_balanced_plan(np.array([50, 40, 60]), COST, (1.0, 1.0), (64, 32))
+    assert plan.replicas[1] == ((),) and plan.documents() == [0, 1, 2]
+    pieces = _pieces(n=30, cap=64)
+    pieces.lengths[:] = 64  # every document longer than replica 1's cap
+    stream = PackedStream(pieces, dp_rank=1, dp_size=2, cap=(64, 32), documents_per_batch=4, seed=2)
+    step = stream.begin_step()
+    assert step.tokens == 4 * 64 and step.counts == (len(step.plan.replicas[0]), 1)
+    batch = next(stream)
+    assert batch["tokens"].shape == (1, 1) and batch["loss_mask"].sum() == 0  # no loss, no token
 
 
 def test_stream_refuses_unconsumed_steps_and_bad_sizes() -> None:

@@ -11,6 +11,7 @@ coefficient wins.
     samples = [CostSample.of([512, 512], 0.031), CostSample.of([1024], 0.044), ...]
     cost = fit_doc_cost(samples)                     # DocCost(a, b, c)
     mean_abs_pct_error(cost, held_out)               # 0.04 = 4 %
+    cost = refit_doc_cost(profile_cost, probes, measured_steps)   # a profile refined by measured times
 """
 
 from __future__ import annotations
@@ -91,3 +92,20 @@ def probe_lengths(cap: int, shortest: int = 64) -> list[list[int]]:
         length //= 2
     packs += [[cap // 2], [cap // 4]]
     return packs
+
+
+def refit_doc_cost(base: DocCost, probes: Sequence[CostSample], measured: Sequence[CostSample]) -> DocCost:
+    """A start-up profile refined by measured samples. Measured steps alone hardly tell a, b and c apart
+    (every step holds a similar mix), so the profile keeps the shape: rescaled by the median measured /
+    predicted ratio, and refitted with the rescaled probes and the measured samples together; the refit
+    wins when it predicts the measured samples better than the rescaled profile."""
+    if not measured:
+        raise ValueError("refining a cost model needs measured samples")
+    ratio = float(np.median([s.seconds / s.predict(base) for s in measured]))
+    scaled = DocCost(base.a * ratio, base.b * ratio, base.c * ratio)
+    rescaled = [CostSample(p.sum_sq, p.tokens, p.micro_batches, p.seconds * ratio) for p in probes]
+    try:
+        joint = fit_doc_cost([*rescaled, *measured])
+    except ValueError:
+        return scaled
+    return joint if mean_abs_pct_error(joint, measured) < mean_abs_pct_error(scaled, measured) else scaled

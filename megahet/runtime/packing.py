@@ -39,7 +39,13 @@ from megahet.models.attention import packed_documents
 from megahet.parallel import ParallelLayout
 from megahet.platform import cuda_available
 from megahet.platform import device as process_device
-from megahet.policy.cost_fit import CostSample, fit_doc_cost, mean_abs_pct_error, probe_lengths
+from megahet.policy.cost_fit import (
+    CostSample,
+    fit_doc_cost,
+    mean_abs_pct_error,
+    probe_lengths,
+    refit_doc_cost,
+)
 from megahet.policy.packing import DocCost
 from megahet.runtime.hooks import MeasuringHook
 
@@ -208,18 +214,9 @@ class PackingController(MeasuringHook):
     def _refit(self) -> None:
         if self.unseen:
             self.mape = mean_abs_pct_error(self.cost, self.unseen)
-        measured = [CostSample(*s) for s in self.samples]
-        base = self.profile_cost or self.cost
-        ratio = float(np.median([s.seconds / s.predict(base) for s in measured]))
-        scaled = DocCost(base.a * ratio, base.b * ratio, base.c * ratio)
-        probes = [CostSample(p.sum_sq, p.tokens, p.micro_batches, p.seconds * ratio) for p in self.probes]
-        best = scaled
-        try:
-            joint = fit_doc_cost(probes + measured)
-            if mean_abs_pct_error(joint, measured) < mean_abs_pct_error(scaled, measured):
-                best = joint
-        except ValueError:
-            pass
+        best = refit_doc_cost(
+            self.profile_cost or self.cost, self.probes, [CostSample(*s) for s in self.samples]
+        )
         self.unseen = []
         self.stream.set_cost(best)
 

@@ -19,7 +19,13 @@ import pytest
 
 from megahet.data.documents import DocumentPieces, generated_lengths, split_pieces
 from megahet.data.packed import PackedStream
-from megahet.policy.cost_fit import CostSample, fit_doc_cost, mean_abs_pct_error, probe_lengths
+from megahet.policy.cost_fit import (
+    CostSample,
+    fit_doc_cost,
+    mean_abs_pct_error,
+    probe_lengths,
+    refit_doc_cost,
+)
 from megahet.policy.packing import (
     DocCost,
     assign_replicas,
@@ -111,6 +117,20 @@ def test_cost_fit_recovers_a_known_model_and_scores_held_out_packs() -> None:
     assert mean_abs_pct_error(fitted, held_out) < 0.05
     with pytest.raises(ValueError, match="at least 3"):
         fit_doc_cost(train[:2])
+
+
+def test_refit_keeps_the_profile_shape_and_takes_the_measured_scale() -> None:
+    truth = DocCost(a=3e-9, b=2e-6, c=4e-4)
+    probes = [CostSample.of(pack, 0.5 * truth.micro_batch(pack)) for pack in probe_lengths(4096)]  # 2x off
+    profile = fit_doc_cost(probes)
+    steps = [[1000, 500, 200], [900, 700, 100], [1200, 300, 300]]  # alike mixes: a, b, c not separable
+    measured = [CostSample.of(pack, truth.micro_batch(pack)) for pack in steps]
+    refined = refit_doc_cost(profile, probes, measured)
+    held_out = [CostSample.of(pack, truth.micro_batch(pack)) for pack in ([4096], [64] * 64, [2048, 100])]
+    assert mean_abs_pct_error(profile, held_out) > 0.4
+    assert mean_abs_pct_error(refined, held_out) < 0.01
+    with pytest.raises(ValueError, match="measured samples"):
+        refit_doc_cost(profile, probes, [])
 
 
 def test_generated_mixes_and_pieces() -> None:

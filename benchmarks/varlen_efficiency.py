@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--skip", type=int, default=4, help="start-up steps left out of the medians")
     parser.add_argument(
-        "--rate", type=float, default=2.0, help="virtual devices' GFLOP/s at speed 1 (slow2x)"
+        "--rate", type=float, default=40.0, help="virtual devices' GFLOP/s at speed 1 (slow2x)"
     )
     args = parser.parse_args(argv)
     cores = two_cores()

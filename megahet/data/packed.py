@@ -32,6 +32,7 @@ from megahet.policy.packing import (
     BatchPlan,
     DocCost,
     cost_balanced_plan,
+    micro_batch_bound,
     micro_batch_costs,
     pipeline_time,
     round_robin_plan,
@@ -82,6 +83,10 @@ class StepPlan:
         """Slowest over mean predicted micro-batch cost, over every replica's micro-batches."""
         costs = [c for mbs in self.plan.replicas for c in micro_batch_costs(mbs, self.lengths, self.cost)]
         return max(costs) / (sum(costs) / len(costs))
+
+    def micro_batch_bound(self) -> float:
+        """The least slowest / mean micro-batch any packing could reach here (`policy.packing.micro_batch_bound`)."""
+        return micro_batch_bound(self.plan, self.lengths, self.cost)
 
     def padding_fraction(self, caps: Sequence[int]) -> float:
         """The share of the micro-batches' token capacity (replica r's `caps[r]` each) left empty: what

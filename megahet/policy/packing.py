@@ -12,8 +12,10 @@ attention stays inside each document, so its cost is not its token count: about 
   random orders, and keeps the order whose slowest replica is fastest;
 - *packing*: packs of the same token count take different times. Stage 2 (`pack_micro_batches`)
   packs one replica's documents under its token cap into v micro-batches, cheapest-bin-first in
-  longest-first order, for v from the fewest that fit upwards, and keeps the v that minimizes the
-  replica's 1F1B time: sum over micro-batches of (cost + c) plus (PP - 1) x the slowest one.
+  longest-first order then evened out by moves and swaps out of the costliest, for v from the fewest
+  that fit upwards, and keeps the v that minimizes the replica's 1F1B time: sum over micro-batches of
+  (cost + c) plus (PP - 1) x the slowest one. One document costlier than the mean micro-batch bounds how
+  even they can be (`micro_batch_bound`).
 
 The baselines of the ladder in benchmarks/varlen_efficiency.py are here too, so that they are planned
 from the same documents: `round_robin_plan` (documents dealt in order, packed in order) and
@@ -86,6 +88,15 @@ def pipeline_time(micro_batch_costs: Sequence[float], pp: int) -> float:
     if not micro_batch_costs:
         return 0.0
     return float(sum(micro_batch_costs)) + (pp - 1) * float(max(micro_batch_costs))
+
+
+def micro_batch_bound(plan: BatchPlan, lengths: Sequence[int], cost: DocCost) -> float:
+    """The least slowest / mean micro-batch cost any packing of these micro-batch counts can reach: the
+    costliest single document (+ c) over the mean (a micro-batch cannot be cheaper than its costliest
+    document), or 1."""
+    lengths = np.asarray(lengths)
+    costs = [c for mbs in plan.replicas for c in micro_batch_costs(mbs, lengths, cost)]
+    return max(1.0, (float(cost.docs(lengths).max()) + cost.c) / (sum(costs) / len(costs)))
 
 
 def micro_batch_costs(micro_batches: Sequence[MicroBatch], lengths: np.ndarray, cost: DocCost) -> list[float]:
@@ -191,6 +202,43 @@ def _lpt_bins(costs: np.ndarray, lengths: np.ndarray, cap: int, bins: int) -> li
     return packed
 
 
+def _even_out(
+    packed: list[list[int]], costs: np.ndarray, lengths: np.ndarray, cap: int, rounds: int = 64
+) -> None:
+    """Local search after LPT, in place: move a document out of the costliest micro-batch, or swap it for a
+    cheaper one, whenever that lowers the costliest of the two under the cap (the pipeline's slowest
+    micro-batch; the sum stays the same)."""
+    for _ in range(rounds):
+        load = [float(costs[mb].sum()) for mb in packed]
+        used = [int(lengths[mb].sum()) for mb in packed]
+        top = int(np.argmax(load))
+        best = None  # (new max of the pair, other bin, document out, document in or None)
+        for other in range(len(packed)):
+            if other == top:
+                continue
+            for d in packed[top]:
+                if used[other] + lengths[d] <= cap:
+                    pair = max(load[top] - costs[d], load[other] + costs[d])
+                    if pair < load[top] - 1e-12 and (best is None or pair < best[0]):
+                        best = (pair, other, d, None)
+                for e in packed[other]:
+                    if costs[e] >= costs[d] or used[other] - lengths[e] + lengths[d] > cap:
+                        continue
+                    if used[top] - lengths[d] + lengths[e] > cap:
+                        continue
+                    pair = max(load[top] - costs[d] + costs[e], load[other] + costs[d] - costs[e])
+                    if pair < load[top] - 1e-12 and (best is None or pair < best[0]):
+                        best = (pair, other, d, e)
+        if best is None:
+            return
+        _, other, d, e = best
+        packed[top].remove(d)
+        packed[other].append(d)
+        if e is not None:
+            packed[other].remove(e)
+            packed[top].append(e)
+
+
 def pack_micro_batches(
     lengths: Sequence[int], cost: DocCost, cap: int, pp: int = 1, extra_bins: int = 4
 ) -> list[list[int]]:
@@ -210,6 +258,7 @@ def pack_micro_batches(
         packed = _lpt_bins(costs, lengths, cap, bins)
         if packed is not None:
             packed = [mb for mb in packed if mb]
+            _even_out(packed, costs, lengths, cap)
             mb_costs = [float(costs[mb].sum()) + cost.c for mb in packed]
             time = pipeline_time(mb_costs, pp)
             if time < best_time - 1e-12 * abs(time):

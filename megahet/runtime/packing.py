@@ -18,15 +18,19 @@ megahet/policy/cost_fit.py, the stream megahet/data/packed.py).
   measured / predicted ratio of the last `data.cost_window` samples, and the measured samples join them
   in the fit; the refit is kept when it predicts the measured samples better than the rescaled profile.
 - **Telemetry** (`report()`): per replica its tokens, sum of s^2, micro-batches, predicted and measured
-  seconds of the last step; the step's slowest / mean predicted micro-batch (`mb_max_mean`) and the
-  padding a static shape would need (`padding`); the model's a, b, c and held-out error; they go to the console, W&B and
-  the metrics file like every report.
+  seconds of the last step; the step's slowest / mean predicted micro-batch (`mb_max_mean`; `mb_bound`: the least any
+  packing could reach, the costliest single document over the mean) and the
+  padding a static shape would need (`padding`); the model's a, b, c and held-out error. They go to the
+  console, W&B and the metrics file like every report; with `--balance.trace run.jsonl` global rank 0
+  also writes run_packing.jsonl, one row per step, and draws run_packing.png at the end (predicted and
+  measured seconds, tokens and sum of s^2 per replica).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -48,6 +52,14 @@ from megahet.policy.cost_fit import (
 )
 from megahet.policy.packing import DocCost
 from megahet.runtime.hooks import MeasuringHook
+from megahet.runtime.trace_writer import TraceWriter
+
+
+def packing_trace_path(path: str) -> Path:
+    """run.jsonl -> run_packing.jsonl (beside the balancers' traces)."""
+    path = Path(path).expanduser()
+    return path.with_name(f"{path.stem}_packing{path.suffix}")
+
 
 BACKWARD_FACTOR = 3.0
 """Forward + backward over forward, for the start-up profile (refined from measured steps)."""
@@ -131,6 +143,11 @@ class PackingController(MeasuringHook):
         self.plan_stats: dict[str, float] = {}
         """The last step's plan: slowest / mean predicted micro-batch, padding fraction at the token cap."""
         self.step_start = lambda: trainer.step_t0
+        self.trace = (
+            TraceWriter(packing_trace_path(cfg.balance.trace))
+            if cfg.balance.trace and layout.rank == 0
+            else None
+        )
 
     @property
     def cost(self) -> DocCost:
@@ -165,6 +182,7 @@ class PackingController(MeasuringHook):
             return
         self.plan_stats = {
             "mb_max_mean": plan.micro_batch_spread(),
+            "mb_bound": plan.micro_batch_bound(),
             "padding": plan.padding_fraction(self.stream.caps),
         }
         stats = plan.replica_stats()[self.layout.dp_rank]
@@ -183,7 +201,7 @@ class PackingController(MeasuringHook):
         gathered = self._take()
         if gathered is None:
             return
-        rows, _step, _step_s = gathered
+        rows, step, step_s = gathered
         compute: dict[tuple[int, int], float] = {}  # (dp, pp) -> slowest TP rank's compute
         region: dict[int, float] = {}
         features: dict[int, tuple[float, ...]] = {}
@@ -210,6 +228,20 @@ class PackingController(MeasuringHook):
                 }
             )
         self.last = last
+        if self.trace is not None:
+            replicas = sorted(features)
+            self.trace.write(
+                {
+                    "step": step,
+                    "step_s": step_s,
+                    "tokens": [features[r][1] for r in replicas],
+                    "sum_sq": [features[r][0] for r in replicas],
+                    "micro_batches": [features[r][2] for r in replicas],
+                    "predicted_s": [last[f"pred_s_dp{r}"] for r in replicas],
+                    "measured_s": [last[f"meas_s_dp{r}"] for r in replicas],
+                    "cost": [self.cost.a, self.cost.b, self.cost.c],
+                }
+            )
 
     def _refit(self) -> None:
         if self.unseen:
@@ -245,6 +277,11 @@ class PackingController(MeasuringHook):
             else [self.profile_cost.a, self.profile_cost.b, self.profile_cost.c],
             "probes": [[s.sum_sq, s.tokens, s.micro_batches, s.seconds] for s in self.probes],
         }
+
+    def _plot(self, written: Path) -> None:
+        from megahet.runtime.trace_plot import plot_packing_trace
+
+        plot_packing_trace(written, written.with_suffix(".png"))
 
     def load_state_dict(self, state: dict) -> None:
         """The saved cost model and samples: a resumed run plans its next global batches as the killed one would."""

@@ -102,6 +102,43 @@ def plot_pp_trace(trace: str | Path, png: str | Path, title: str | None = None) 
     )  # fmt: skip
 
 
+def plot_packing_trace(trace: str | Path, png: str | Path, title: str | None = None) -> Path:
+    """Packed documents: step time; each replica's predicted (dashed) and measured (solid) seconds; its tokens
+    and, on the right axis, its sum of squared document lengths (what attention costs)."""
+    plt = _pyplot()
+    rows = read_trace(trace)
+    steps = [r["step"] for r in rows]
+    fig, (ax_time, ax_pred, ax_tokens) = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+    colors = plt.get_cmap("tab10")
+    ax_time.plot(steps, [r["step_s"] for r in rows], color="black", label="step")
+    ax_squares = ax_tokens.twinx()
+    for replica in range(len(rows[0]["tokens"])):
+        color, label = colors(replica % 10), f"DP {replica}"
+        ax_pred.plot(steps, [r["measured_s"][replica] for r in rows], color=color, label=f"{label} measured")
+        ax_pred.plot(
+            steps, [r["predicted_s"][replica] for r in rows], color=color, ls="--", label=f"{label} predicted"
+        )
+        ax_tokens.plot(steps, [r["tokens"][replica] for r in rows], color=color, label=f"{label} tokens")
+        ax_squares.plot(
+            steps, [r["sum_sq"][replica] for r in rows], color=color, ls=":", label=f"{label} sum s^2"
+        )
+    ax_time.set_ylabel("seconds")
+    ax_time.legend(fontsize=7)
+    ax_pred.set_ylabel("replica seconds")
+    ax_pred.set_ylim(bottom=0)
+    ax_pred.legend(fontsize=7, ncol=4)
+    ax_tokens.set_ylabel("tokens")
+    ax_squares.set_ylabel("sum of s^2 (dotted)")
+    ax_tokens.set_ylim(bottom=0)
+    ax_tokens.legend(fontsize=7, ncol=4)
+    ax_tokens.set_xlabel("step")
+    fig.suptitle(title or f"{Path(trace).name}: packed documents")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return Path(png)
+
+
 def _plot_groups(trace, png, title: str, keys: tuple[str, str, str], ylabels: tuple[str, str]) -> Path:
     """Three panels over the steps: the step time; per group (replica, stage) its speed (`keys[1]`) and
     what it holds (`keys[0]`: micro-batches, layers), labelled `keys[2]`.format(group)."""

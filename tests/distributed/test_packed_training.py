@@ -6,7 +6,8 @@ every token weighs the same whichever replica and micro-batch hold it. The refer
 the global batch (8 documents, pieces of at most 128 tokens) into its own micro-batches; against it,
 per step loss and gradient norm, and every parameter after 12 steps, within test_training.py's tolerances:
 - DP=2, replica 1 declared 0.4x as fast: the cost planner gives it about 0.4 of the predicted work, so the
-  replicas run different numbers of micro-batches (checked in the logged shares);
+  replicas run different numbers of micro-batches (checked in the logged shares), and the packing trace
+  (run_packing.jsonl / .png) has a row per step with the slow replica's smaller token count;
 - DP=2, documents dealt round-robin (another assignment, the same numbers);
 - DP=2, replica 1 capped at 64 tokens per micro-batch (less memory): the longer documents go to replica 0;
 - PP=2 x DP=2 with the slow replica and uneven stages (1 and 3 layers): each pipeline runs its own
@@ -18,6 +19,7 @@ Run: python -m pytest tests/distributed/test_packed_training.py -q   (about 2 mi
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -50,15 +52,19 @@ def _counts(metrics: Path) -> list[tuple[int, int]]:
 
 
 def test_packed_dp2_any_assignment_matches_one_rank(packed_reference: dict, gpt_data, tmp_path: Path):
-    metrics = tmp_path / "slow.jsonl"
+    metrics, trace = tmp_path / "slow.jsonl", tmp_path / "trace.jsonl"
     variants = {
-        "slow": f"{SLOW} 1,0.4 --logging.metrics_file {metrics}",
+        "slow": f"{SLOW} 1,0.4 --logging.metrics_file {metrics} --balance.trace {trace}",
         "round_robin": "--parallel.zero_stage 1 --data.packing_strategy round_robin",
         "caps": "--parallel.zero_stage 1 --data.replica_max_tokens 128,64",
     }
     runs = _train(tmp_path, 2, variants, _common(gpt_data, tmp_path, PACKED))
     counts = _counts(metrics)
     assert counts and all(a > b for a, b in counts), counts  # the fast replica runs more micro-batches
+    rows = [json.loads(line) for line in (tmp_path / "trace_packing.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(12)) and all(len(r["tokens"]) == 2 for r in rows)
+    assert all(r["tokens"][0] > r["tokens"][1] for r in rows)  # the 0.4x replica gets fewer tokens
+    assert (tmp_path / "trace_packing.png").stat().st_size > 0
     for name, run in runs.items():
         check_run("packed dp2 vs dp1", f"packed dp2 {name}", run, packed_reference, replicas=2, loaded=False)
         assert [r["tokens"] for r in run["history"]] == [r["tokens"] for r in packed_reference["history"]]

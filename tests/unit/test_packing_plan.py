@@ -27,10 +27,12 @@ from megahet.policy.cost_fit import (
     refit_doc_cost,
 )
 from megahet.policy.packing import (
+    BatchPlan,
     DocCost,
     assign_replicas,
     cost_balanced_plan,
     karmarkar_karp,
+    micro_batch_bound,
     pack_micro_batches,
     replica_times,
     round_robin_plan,
@@ -84,6 +86,18 @@ def test_stage_two_picks_the_micro_batch_count_by_the_pipeline_time() -> None:
     assert len(one_stage) == 2  # fewest micro-batches: c per micro-batch is the only difference
     assert len(four_stages) > 2  # smaller micro-batches shorten warm-up and cool-down
     assert sorted(i for mb in four_stages for i in mb) == list(range(16))
+
+
+def test_stage_two_evens_the_micro_batches_out_down_to_the_costliest_document() -> None:
+    lengths = np.array([621, 456, 283, 452, 485, 295, 620, 985, 839])  # LPT alone: 1.106
+    packed = pack_micro_batches(lengths, COST, cap=1400, pp=4)
+    costs = [float(COST.docs(lengths[mb]).sum()) + COST.c for mb in packed]
+    assert sorted(i for mb in packed for i in mb) == list(range(9))
+    assert all(lengths[mb].sum() <= 1400 for mb in packed)
+    assert max(costs) / np.mean(costs) <= 1.10
+    long_one = np.array([2000, 100, 100, 100])  # one document costlier than the mean: the bound
+    plan = BatchPlan((tuple(tuple(mb) for mb in pack_micro_batches(long_one, COST, cap=2048, pp=4)),))
+    assert micro_batch_bound(plan, long_one, COST) > 1.5
 
 
 def test_cost_balancing_matches_token_balancing_when_alike_and_beats_it_with_a_slow_replica() -> None:

@@ -2,6 +2,7 @@
 
     python benchmarks/varlen_efficiency.py                      # every scenario (~12 min on 2 quiet cores)
     python benchmarks/varlen_efficiency.py --scenarios alike --steps 10 --mix web
+    python benchmarks/varlen_efficiency.py --scenarios alike --strategies tokens cost --repeats 3 --name varlen_alike
 
 Each run is a torchrun launch of pretrain_gpt.py, DP=2 (one core per rank, tools/pin_ranks.py), the same
 GPT, the same token budget per step and the corpus re-cut at the `--mix` lengths (default code-like:
@@ -25,7 +26,10 @@ speed, over the slowest replica's measured time (fixed chunks: equal work per re
 harmonic-mean time over the slowest). Also (d)'s speed-up over (c) and over (a), and the cost model's
 held-out error (`cost_mape`, its mean absolute % error on steps it had not been fitted on).
 
-Writes benchmarks/results/varlen_efficiency.{md,json,png}; logs and metrics go to
+With `--repeats N` each strategy runs N times, interleaved (c, d, c, d, ...), and every number is the
+median over the repeats (their step times are kept in the JSON: `step_s_runs`).
+
+Writes benchmarks/results/<--name, default varlen_efficiency>.{md,json,png}; logs and metrics go to
 benchmarks/results/varlen_efficiency_runs/.
 """
 
@@ -120,8 +124,20 @@ def summarize(scenario: str, strategy: str, records: list[dict], skip: int) -> d
     return row
 
 
-def run(scenario: str, strategy: str, args: argparse.Namespace, cores: list[int]) -> list[dict]:
-    name = f"{scenario}_{strategy}"
+def merge_repeats(summaries: list[dict]) -> dict:
+    """One row from the repeats of a run: the median of every number, and the repeats' step times."""
+    row = {key: summaries[0][key] for key in ("scenario", "strategy")}
+    for key, value in summaries[0].items():
+        if isinstance(value, float):
+            row[key] = statistics.median(s[key] for s in summaries)
+    row["step_s_runs"] = [round(s["step_s"], 3) for s in summaries]
+    return row
+
+
+def run(
+    scenario: str, strategy: str, args: argparse.Namespace, cores: list[int], tag: str = ""
+) -> list[dict]:
+    name = f"{scenario}_{strategy}{tag}"
     metrics = RUNS / f"{name}.jsonl"
     metrics.unlink(missing_ok=True)
     tokens_per_step = 2 * args.micro_batches * args.max_tokens
@@ -209,6 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--skip", type=int, default=4, help="start-up steps left out of the medians")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each strategy, interleaved; medians")
+    parser.add_argument("--name", default="varlen_efficiency", help="results/<name>.{md,json,png}")
     parser.add_argument(
         "--rate", type=float, default=40.0, help="virtual devices' GFLOP/s at speed 1 (slow2x)"
     )
@@ -218,17 +236,20 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("this benchmark pins one rank per core: it needs two cores")
     rows = []
     for scenario in args.scenarios:
-        for strategy in args.strategies:
-            records = run(scenario, strategy, args, cores)
-            rows.append(summarize(scenario, strategy, records, args.skip))
-            print(f"{scenario} {strategy}: {rows[-1]['step_s']:.3f} s/step", flush=True)
+        runs: dict[str, list[dict]] = {strategy: [] for strategy in args.strategies}
+        for repeat in range(args.repeats):  # interleaved: machine drift hits every strategy alike
+            for strategy in args.strategies:
+                records = run(scenario, strategy, args, cores, tag=f"_r{repeat}" if args.repeats > 1 else "")
+                runs[strategy].append(summarize(scenario, strategy, records, args.skip))
+                print(f"{scenario} {strategy}: {runs[strategy][-1]['step_s']:.3f} s/step", flush=True)
+        rows += [merge_repeats(summaries) for summaries in runs.values()]
     add_speedups(rows)
     meta = {
         key: getattr(args, key) for key in ("mix", "max_tokens", "micro_batches", "steps", "skip", "rate")
     }
     meta["goals"] = goals(rows, args.mix, args.max_tokens)
-    folder = save_results("varlen_efficiency", rows, COLUMNS, meta)
-    plot(rows, folder / "varlen_efficiency.png")
+    folder = save_results(args.name, rows, COLUMNS, meta)
+    plot(rows, folder / f"{args.name}.png")
     print("\n".join(meta["goals"]))
 
 

@@ -46,5 +46,7 @@ def test_summary_speedups_and_goals():
     assert rows[1]["step_s"] == 1.6 and rows[1]["cost_mape"] == 0.04  # the start-up step is skipped
     bench.add_speedups(rows)
     assert rows[1]["speedup_vs_tokens"] == pytest.approx(1.25) and rows[0]["speedup_vs_tokens"] == 1.0
+    merged = bench.merge_repeats([rows[1], {**rows[1], "step_s": 2.0}, {**rows[1], "step_s": 1.0}])
+    assert merged["step_s"] == 1.6 and merged["step_s_runs"] == [1.6, 2.0, 1.0]
     goals = bench.goals(rows, "code", 2048)
     assert len(goals) == 1 and "1.25x over (c)" in goals[0] and "E 1.000" in goals[0]

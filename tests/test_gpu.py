@@ -175,3 +175,35 @@ def test_sdpa_core_attention_takes_a_fused_gpu_kernel(world1, groups: int) -> No
     reference = torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), v.repeat_interleave(r, 2).float())
     for name, out in fused.items():
         torch.testing.assert_close(out.float(), reference.reshape(s, b, -1), rtol=2e-2, atol=2e-2, msg=name)
+
+
+@pytest.mark.parametrize("groups", [8, 2])
+def test_packed_documents_run_the_varlen_kernel_and_match_per_document_attention(world1, groups: int) -> None:
+    """data.packing=documents on a GPU (bf16): `varlen_attn` runs (its causal keyword detected from this
+    torch's signature) and equals causal SDPA run on each document alone (bf16 tolerance)."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.enums import AttnMaskType
+    from test_attention import _cfg
+
+    from megahet.models.attention import SDPACoreAttention, _varlen_attn, packed_documents
+    from megahet.models.common import transformer_config
+
+    assert _varlen_attn() is not None, "this torch has no usable torch.nn.attention.varlen.varlen_attn"
+    cfg = _cfg(**{"model.hidden_size": 512, "model.num_attention_heads": 8, "model.num_query_groups": groups,
+                  "train.precision": "bf16", "data.packing": "documents"})  # fmt: skip
+    core = SDPACoreAttention(transformer_config(cfg), 1, AttnMaskType.causal, "self").cuda()
+    lengths, hn = [300, 17, 512, 83], 64
+    t = sum(lengths)
+    q = torch.randn(t, 8, hn, device="cuda", dtype=torch.bfloat16)  # thd: (tokens, heads, hn)
+    k, v = (torch.randn(t, groups, hn, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    out = core(q, k, v, None, packed_seq_params=packed_documents(cu, lengths))  # (t, 8*hn)
+    expected = []
+    for qd, kd, vd in zip(q.split(lengths), k.split(lengths), v.split(lengths)):
+        expected.append(
+            F.scaled_dot_product_attention(
+                qd.transpose(0, 1)[None].float(), kd.transpose(0, 1)[None].float(), vd.transpose(0, 1)[None].float(),
+                is_causal=True, enable_gqa=groups != 8,
+            )[0].transpose(0, 1).reshape(-1, 8 * hn)
+        )  # fmt: skip
+    torch.testing.assert_close(out.float(), torch.cat(expected), rtol=2e-2, atol=2e-2)

@@ -122,6 +122,8 @@ def profile_doc_cost(model, cfg: MegahetConfig, vocab: int) -> tuple[DocCost, li
 class PackingController(MeasuringHook):
     checkpointed = True
     split_free = True  # the cost model does not depend on the layers per stage
+    # Settings that do not change what a document costs: a resume with other values keeps the saved model.
+    settings_free = ("packing_strategy", "packing_tries", "cost_window", "length_mix", "split", "data_dir")
 
     def __init__(self, cfg: MegahetConfig, trainer, layout: ParallelLayout):
         self.cfg = cfg.data
@@ -129,7 +131,7 @@ class PackingController(MeasuringHook):
         self.stream = trainer.task.train_data
         self.interval, self.window = cfg.hetero.interval, cfg.data.cost_window
         self.fixed = cfg.data.doc_cost is not None
-        self._model_cfg = cfg
+        self.run_cfg = cfg
         self.needs_profile = not self.fixed
         self.samples: deque[tuple[float, float, float, float]] = deque(maxlen=self.window)
         """(sum s^2, tokens, micro-batches, seconds at speed 1) per replica and step, for the refit."""
@@ -158,7 +160,7 @@ class PackingController(MeasuringHook):
         if self.needs_profile:
             self.needs_profile = False
             cost, samples, seconds = profile_doc_cost(
-                self.trainer.task.model, self._model_cfg, self.trainer.task.vocab_size or 1
+                self.trainer.task.model, self.run_cfg, self.trainer.task.vocab_size or 1
             )
             self.stream.set_cost(cost)
             self.profile_cost, self.probes = cost, samples

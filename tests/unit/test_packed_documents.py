@@ -113,3 +113,31 @@ def test_collated_batch_restarts_positions_at_every_document() -> None:
     assert batch["tokens"][0, :15].tolist() == list(range(114, 129))
     assert batch["labels"][0, :15].tolist() == list(range(115, 130))
     assert batch["tokens"].shape == batch["labels"].shape == batch["loss_mask"].shape == (1, 24)
+
+
+def test_the_varlen_kernels_causal_switch_is_read_from_its_signature(monkeypatch) -> None:
+    """torch 2.13's varlen_attn takes window_size=(-1, 0) for causal; early releases took is_causal=True."""
+    import sys
+    import types
+
+    from megahet.models import attention
+
+    attention._varlen_attn.cache_clear()
+    _, causal = attention._varlen_attn()
+    assert causal == {"window_size": (-1, 0)}  # this torch
+
+    def early(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, scale=None):
+        return query
+
+    def unknown(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k):
+        return query
+
+    for fake, expected in ((early, {"is_causal": True}), (unknown, None)):
+        module = types.ModuleType("torch.nn.attention.varlen")
+        module.varlen_attn = fake
+        monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", module)
+        attention._varlen_attn.cache_clear()
+        found = attention._varlen_attn()
+        assert (found[1] if found else None) == expected
+    monkeypatch.undo()
+    attention._varlen_attn.cache_clear()

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import threading
@@ -38,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import RESULTS, save_results, settings_to_args, torchrun
-from benchmarks.contention import competing_process, core_share, schedstat, two_cores
+from benchmarks.contention import core_share, pinned_launch, schedstat, two_cores
 from megahet.runtime.trace_plot import read_trace
 
 RUNS = RESULTS / "real_contention_runs"
@@ -121,17 +120,11 @@ def run(
         *("--train.eval_interval", str(steps), "--train.eval_iters", "1", "--logging.wandb", "false"),
         *overrides,
     ]
-    os.environ["MEGAHET_CORES"] = ",".join(map(str, cores))  # rank r on cores[r] (tools/pin_ranks.py)
     monitor = ShareMonitor()
     monitor.start()
     try:
-        if contended:
-            with competing_process(cores[1]):
-                torchrun("tools/pin_ranks.py", 2, args, RUNS / f"{name}.log")
-        else:
-            torchrun("tools/pin_ranks.py", 2, args, RUNS / f"{name}.log")
+        pinned_launch(torchrun, args, cores, RUNS / f"{name}.log", contended)
     finally:
-        del os.environ["MEGAHET_CORES"]
         monitor.done.set()
         monitor.join()
     return read_trace(trace), monitor.share(0.5)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -46,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import RESULTS, save_results, torchrun
-from benchmarks.contention import competing_process, two_cores
+from benchmarks.contention import pinned_launch, two_cores
 
 RUNS = RESULTS / "varlen_efficiency_runs"
 STRATEGIES = ("fixed", "round_robin", "tokens", "cost")
@@ -150,15 +149,7 @@ def run(
         *("--train.eval_interval", str(args.steps), "--train.eval_iters", "1"),
         *("--logging.metrics_file", str(metrics)),
     ]
-    os.environ["MEGAHET_CORES"] = ",".join(map(str, cores))
-    try:
-        if scenario == "contended":
-            with competing_process(cores[1]):
-                torchrun("tools/pin_ranks.py", 2, cmd, RUNS / f"{name}.log")
-        else:
-            torchrun("tools/pin_ranks.py", 2, cmd, RUNS / f"{name}.log")
-    finally:
-        del os.environ["MEGAHET_CORES"]
+    pinned_launch(torchrun, cmd, cores, RUNS / f"{name}.log", contended=scenario == "contended")
     return read_metrics(metrics)
 
 

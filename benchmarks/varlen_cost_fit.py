@@ -41,14 +41,10 @@ COLUMNS = ["model", "a", "b", "c", "mape_held_out"]
 
 def _time_pack(model, lengths: list[int], repeats: int) -> float:
     """Median seconds of forward + backward of one pack of synthetic documents of these lengths."""
-    from megahet.models.attention import packed_documents
+    from megahet.runtime.packing import synthetic_pack
 
-    t = sum(lengths)
-    g = torch.Generator().manual_seed(t)
-    tokens = torch.randint(0, 1000, (1, t), generator=g)  # (1, t)
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]  # (1, t)
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
-    params = packed_documents(cu, lengths)
+    g = torch.Generator().manual_seed(sum(lengths))
+    tokens, positions, params = synthetic_pack(lengths, 1000, torch.device("cpu"), g)
     times = []
     for i in range(repeats + 1):
         model.zero_grad(set_to_none=True)

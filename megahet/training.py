@@ -66,6 +66,12 @@ class Task:
     tokenizer_model: str | None = None
     """The tokenizer's model file (GPT: SentencePiece), copied into checkpoints as tokenizer.model."""
 
+    @property
+    def packed(self) -> bool:
+        """Whether train_data is a packed-document stream (megahet/data/packed.py): it plans every global
+        batch (`begin_step`) and takes replica speeds (`set_speeds`)."""
+        return hasattr(self.train_data, "begin_step")
+
 
 @dataclasses.dataclass
 class TaskSpec:
@@ -235,7 +241,7 @@ class Trainer:
         t0 = time.perf_counter()
         for hook in self.step_hooks:
             hook.before_forward_backward(self.iteration)
-        if hasattr(self.task.train_data, "begin_step"):
+        if self.task.packed:
             self._begin_packed_step()
         self.hooks_s += time.perf_counter() - t0
         self.engine.zero_grad()
@@ -465,7 +471,7 @@ def build_trainer(
         balancer = BalanceController(cfg, layout, resizer, lambda: trainer.times, lambda: trainer.step_t0)
         trainer.step_hooks.insert(0, balancer)
     coords = start_heterogeneous(cfg, trainer, balancer if cfg.balance.active else None)
-    if hasattr(task.train_data, "begin_step"):  # packed documents: the cost model's profile and refits
+    if task.packed:  # packed documents: the cost model's profile and refits
         from megahet.runtime.packing import PackingController
 
         trainer.step_hooks.append(PackingController(cfg, trainer, layout))

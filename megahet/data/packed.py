@@ -21,6 +21,7 @@ at 0 in each, `cu_seqlens` at their boundaries and the lengths on the host (`doc
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -71,22 +72,27 @@ class StepPlan:
         """Positions with a label over the whole global batch (every one counts in the loss)."""
         return int(self.lengths.sum())
 
+    @functools.cached_property
+    def micro_batch_costs(self) -> list[list[float]]:
+        """Predicted cost at speed 1 of every replica's micro-batches (computed once per plan: the trainer,
+        the balancer and the telemetry all read it)."""
+        return [micro_batch_costs(mbs, self.lengths, self.cost) for mbs in self.plan.replicas]
+
     def replica_work(self, pp: int = 1) -> list[float]:
         """Each replica's predicted step time at speed 1: its 1F1B time of micro-batch costs, each stage
         running 1 / PP of every micro-batch."""
-        return [
-            pipeline_time(micro_batch_costs(mbs, self.lengths, self.cost), pp) / pp
-            for mbs in self.plan.replicas
-        ]
+        return [pipeline_time(costs, pp) / pp for costs in self.micro_batch_costs]
 
     def micro_batch_spread(self) -> float:
         """Slowest over mean predicted micro-batch cost, over every replica's micro-batches."""
-        costs = [c for mbs in self.plan.replicas for c in micro_batch_costs(mbs, self.lengths, self.cost)]
+        costs = [c for replica in self.micro_batch_costs for c in replica]
         return max(costs) / (sum(costs) / len(costs))
 
     def micro_batch_bound(self) -> float:
         """The least slowest / mean micro-batch any packing could reach here (`policy.packing.micro_batch_bound`)."""
-        return micro_batch_bound(self.plan, self.lengths, self.cost)
+        return micro_batch_bound(
+            [c for replica in self.micro_batch_costs for c in replica], self.lengths, self.cost
+        )
 
     def padding_fraction(self, caps: Sequence[int]) -> float:
         """The share of the micro-batches' token capacity (replica r's `caps[r]` each) left empty: what

@@ -90,13 +90,11 @@ def pipeline_time(micro_batch_costs: Sequence[float], pp: int) -> float:
     return float(sum(micro_batch_costs)) + (pp - 1) * float(max(micro_batch_costs))
 
 
-def micro_batch_bound(plan: BatchPlan, lengths: Sequence[int], cost: DocCost) -> float:
-    """The least slowest / mean micro-batch cost any packing of these micro-batch counts can reach: the
-    costliest single document (+ c) over the mean (a micro-batch cannot be cheaper than its costliest
-    document), or 1."""
-    lengths = np.asarray(lengths)
-    costs = [c for mbs in plan.replicas for c in micro_batch_costs(mbs, lengths, cost)]
-    return max(1.0, (float(cost.docs(lengths).max()) + cost.c) / (sum(costs) / len(costs)))
+def micro_batch_bound(mb_costs: Sequence[float], lengths: Sequence[int], cost: DocCost) -> float:
+    """The least slowest / mean micro-batch cost any packing into micro-batches of these costs (`mb_costs`,
+    every replica's) can reach: the costliest single document (+ c) over the mean (a micro-batch cannot be
+    cheaper than its costliest document), or 1."""
+    return max(1.0, (float(cost.docs(lengths).max()) + cost.c) / (sum(mb_costs) / len(mb_costs)))
 
 
 def micro_batch_costs(micro_batches: Sequence[MicroBatch], lengths: np.ndarray, cost: DocCost) -> list[float]:

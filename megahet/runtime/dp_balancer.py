@@ -10,7 +10,8 @@ replica's pace; pipeline sends and receives and the data-parallel reduction fall
 over the whole world by an asynchronous all-gather that completes while the step finishes. A rank's
 speed sample is micro-batches per second of that time (the embedding, output layer and loss move with
 the samples, so they count; with packed documents: predicted cost at speed 1 per second, and the speeds
-go to the per-step document planner instead of shares); the estimate is the median of the last `hetero.window` samples. A replica
+go to the per-step document planner instead of shares); the estimate is the median of the last
+`hetero.window` samples. A replica
 runs at its slowest pipeline stage, a stage at its slowest TP rank (a TP balancer inside the replica
 raises that measured rate; the shares follow). At the start of a step every rank runs the same `dp_shares` on the same
 numbers, so every rank's shares are the same, with hysteresis, and back to even when the replicas are

@@ -18,7 +18,7 @@ def start_heterogeneous(cfg: MegahetConfig, trainer, balancer) -> list | None:
     shares add the data-parallel balancer (first: it re-plans before a step's data is read). Returns
     every rank's (dp, pp, tp) when the run is heterogeneous (hetero.*), else None."""
     h, layout = cfg.hetero, trainer.layout
-    packed = hasattr(trainer.task.train_data, "set_speeds")
+    packed = trainer.task.packed
     if not (h.speeds or h.active or h.pp_active):
         return None
     from megahet.config_checks import ranks_per_node

@@ -70,6 +70,15 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def synthetic_pack(lengths: list[int], vocab: int, device: torch.device, generator: torch.Generator):
+    """(tokens, position_ids, packed params) of one pack of random documents of these lengths, on `device`:
+    tokens and positions (1, t), positions restarting per document."""
+    tokens = torch.randint(0, vocab, (1, int(sum(lengths))), generator=generator).to(device)  # (1, t)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].to(device)  # (1, t)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=device)
+    return tokens, positions, packed_documents(cu, lengths)
+
+
 @torch.no_grad()
 def time_stage_forward(model, lengths: list[int], hidden_size: int, vocab: int, repeats: int = 2) -> float:
     """Seconds of this rank's stage forward on one pack of documents of these lengths (min of `repeats`
@@ -77,10 +86,7 @@ def time_stage_forward(model, lengths: list[int], hidden_size: int, vocab: int, 
     device = process_device()
     t = int(sum(lengths))
     g = torch.Generator().manual_seed(t)
-    tokens = torch.randint(0, vocab, (1, t), generator=g).to(device)  # (1, t)
-    positions = torch.cat([torch.arange(n) for n in lengths])[None].to(device)  # (1, t)
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=device)
-    params = packed_documents(cu, lengths)
+    tokens, positions, params = synthetic_pack(lengths, vocab, device, g)
     dtype = next(model.parameters()).dtype
     best = float("inf")
     for i in range(repeats + 1):

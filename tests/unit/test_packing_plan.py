@@ -27,12 +27,12 @@ from megahet.policy.cost_fit import (
     refit_doc_cost,
 )
 from megahet.policy.packing import (
-    BatchPlan,
     DocCost,
     assign_replicas,
     cost_balanced_plan,
     karmarkar_karp,
     micro_batch_bound,
+    micro_batch_costs,
     pack_micro_batches,
     replica_times,
     round_robin_plan,
@@ -96,8 +96,8 @@ def test_stage_two_evens_the_micro_batches_out_down_to_the_costliest_document() 
     assert all(lengths[mb].sum() <= 1400 for mb in packed)
     assert max(costs) / np.mean(costs) <= 1.10
     long_one = np.array([2000, 100, 100, 100])  # one document costlier than the mean: the bound
-    plan = BatchPlan((tuple(tuple(mb) for mb in pack_micro_batches(long_one, COST, cap=2048, pp=4)),))
-    assert micro_batch_bound(plan, long_one, COST) > 1.5
+    packed_long = pack_micro_batches(long_one, COST, cap=2048, pp=4)
+    assert micro_batch_bound(micro_batch_costs(packed_long, long_one, COST), long_one, COST) > 1.5
 
 
 def test_cost_balancing_matches_token_balancing_when_alike_and_beats_it_with_a_slow_replica() -> None:

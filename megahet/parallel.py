@@ -17,7 +17,9 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import random
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
@@ -119,6 +121,8 @@ def initialize_parallel(tp: int, pp: int, seed: int, timeout_minutes: int = 10) 
     _init_process_group(timeout_minutes)
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    random.seed(seed)  # as Megatron-LM's _set_random_seed: every stream a checkpoint saves is seeded
+    np.random.seed(seed)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return current_layout()

@@ -22,11 +22,9 @@ while the optimizer, LR schedule, RNG streams and step hooks start fresh.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
-import pickle
 import random
 import shutil
 import time
@@ -37,6 +35,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
 
+from megahet.checkpointing.safe_load import load_file
+from megahet.compat.deepspeed_checkpoint import engine_loads_with
 from megahet.config import ConfigError, MegahetConfig
 
 LATEST, META, TMP_PREFIX = "latest", "megahet.json", "tmp_"
@@ -253,11 +253,17 @@ def start_iteration(cfg: MegahetConfig) -> int:
 def rng_states() -> dict:
     return {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": _plain_numpy_state(np.random.get_state()),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
+
+
+def _plain_numpy_state(state: tuple) -> tuple:
+    """NumPy's global RNG state with its key as a list of ints (loads without NumPy's pickled types)."""
+    name, key, *rest = state
+    return (name, key.tolist(), *rest)
 
 
 def set_rng_states(states: dict) -> None:
@@ -288,44 +294,6 @@ def _same_settings(hook, saved: dict | None) -> bool:
 
 def _stateful_hooks(hooks: list) -> dict[str, object]:
     return {type(h).__name__: h for h in hooks if h.checkpointed}
-
-
-# What torch.load raises for a truncated or corrupt file (zip reader, pickle, short reads).
-_BAD_FILE = (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError)
-
-
-def _unreadable(path, err: Exception) -> ConfigError:
-    lines = str(err).strip().splitlines()
-    detail = lines[0][:160] if lines else type(err).__name__
-    return ConfigError(
-        f"train.load: checkpoint file {path} cannot be read ({detail}): it is truncated or corrupt"
-    )
-
-
-def load_checkpoint_file(path: Path):
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)  # our own file: RNG tuples, numpy
-    except _BAD_FILE as err:
-        raise _unreadable(path, err) from None
-
-
-@contextlib.contextmanager
-def _naming_bad_files(engine):
-    """Make DeepSpeed's reads of a bad checkpoint file a ConfigError naming the file."""
-    ckpt_engine = engine.checkpoint_engine
-    original = ckpt_engine.load
-
-    def load(path, map_location=None, *args, **kwargs):
-        try:
-            return original(path, map_location, *args, **kwargs)
-        except _BAD_FILE as err:
-            raise _unreadable(path, err) from None
-
-    ckpt_engine.load = load
-    try:
-        yield
-    finally:
-        ckpt_engine.load = original
 
 
 # --- save and load ----------------------------------------------------------------------------------
@@ -488,7 +456,7 @@ def load(trainer, resume: Resume, resplit: bool = False) -> float:
     t0 = time.perf_counter()
     engine = trainer.engine
     weights_only = bool(resume.meta.get("weights_only"))
-    with _naming_bad_files(engine):
+    with engine_loads_with(engine, load_file):  # DeepSpeed's reads, safe and naming a bad file
         # load_module_only: DeepSpeed then copies the loaded weights into ZeRO's fp32 master partitions
         load_path, client_state = engine.load_checkpoint(
             str(resume.path.parent),
@@ -510,7 +478,7 @@ def load(trainer, resume: Resume, resplit: bool = False) -> float:
     if per_parameter(resume):
         _load_per_parameter(trainer, resume, resplit)
         return time.perf_counter() - t0
-    mine = load_checkpoint_file(resume.path / rank_file(trainer.layout.rank))
+    mine = load_file(resume.path / rank_file(trainer.layout.rank))
     set_rng_states(mine["rng"])
     for name, hook in _stateful_hooks(trainer.step_hooks).items():
         saved = mine["hooks"].get(name)
@@ -530,9 +498,7 @@ def _load_per_parameter(trainer, resume: Resume, resplit: bool = False) -> None:
     from megahet.checkpointing.optimizer_state import load_into_engine
 
     layout, engine = trainer.layout, trainer.engine
-    saved = load_checkpoint_file(
-        resume.path / optimizer_file(layout.pp_rank * layout.tp_size + layout.tp_rank)
-    )
+    saved = load_file(resume.path / optimizer_file(layout.pp_rank * layout.tp_size + layout.tp_rank))
     load_into_engine(engine, saved)
     if saved.get("lr_scheduler") is not None and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])

@@ -27,9 +27,8 @@ the source's tokenizer.model is carried over.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
+import functools
 import json
 import re
 import tempfile
@@ -45,6 +44,8 @@ from megahet.checkpointing.checkpoint import (
     model_states_file,
     save_weights_only,
 )
+from megahet.checkpointing.safe_load import load_file
+from megahet.compat.deepspeed_checkpoint import zero_fp32_state_dict
 from megahet.config import ConfigError, ModelConfig
 from megahet.models.gpt import padded_vocab_size
 from megahet.policy.stage_split import check_split
@@ -144,12 +145,7 @@ def find_checkpoint(path: str | Path) -> tuple[Path, dict]:
 
 
 def _read_module(file: Path) -> dict:
-    try:
-        states = torch.load(file, map_location="cpu", weights_only=False)  # DeepSpeed's pickle
-    except (RuntimeError, EOFError, OSError, ValueError) as err:
-        raise ConfigError(
-            f"--load: {file} cannot be read ({type(err).__name__}): it is truncated or corrupt"
-        ) from None
+    states = load_file(file, what="--load")
     if not isinstance(states, dict) or "module" not in states:
         raise ConfigError(f"--load: {file} has no module state (not a DeepSpeed model states file)")
     return dict(states["module"])  # tensors, and megatron-core's `_extra_state` entries (None)
@@ -159,8 +155,6 @@ def zero_fp32_masters(folder: Path, mp_rank: int) -> dict[str, torch.Tensor]:
     """The fp32 master weights of one model-parallel rank, merged from its ZeRO shards over DP by
     DeepSpeed's own zero_to_fp32 (which reads model-parallel rank 00 only: it is shown this rank's
     files under that name, through links in a temporary folder)."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
     suffix = f"mp_rank_{mp_rank:02d}"
     shards = sorted(folder.glob(f"*_{suffix}_optim_states.pt"))
     if not shards:
@@ -173,8 +167,7 @@ def zero_fp32_masters(folder: Path, mp_rank: int) -> dict[str, torch.Tensor]:
         (tag / model_states_file(0)).symlink_to(folder / model_states_file(mp_rank))
         for shard_file in shards:
             (tag / shard_file.name.replace(suffix, "mp_rank_00")).symlink_to(shard_file)
-        with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its progress
-            return get_fp32_state_dict_from_zero_checkpoint(tmp, tag="tag")
+        return zero_fp32_state_dict(Path(tmp), "tag", functools.partial(load_file, what="--load"))
 
 
 def _with_fp32_masters(module: dict, folder: Path, mp_rank: int) -> dict:

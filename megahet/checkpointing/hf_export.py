@@ -243,8 +243,17 @@ def export_hf(
 
     m = model_cfg
     if is_llama(m):
-        config, build, weights, name = llama_config(state, m), LlamaForCausalLM, llama_to_hf(state, m), "Llama"
-    elif (m.position_embedding_type, m.normalization, m.activation) == ("learned_absolute", "LayerNorm", "gelu"):
+        config, build, weights, name = (
+            llama_config(state, m),
+            LlamaForCausalLM,
+            llama_to_hf(state, m),
+            "Llama",
+        )
+    elif (m.position_embedding_type, m.normalization, m.activation) == (
+        "learned_absolute",
+        "LayerNorm",
+        "gelu",
+    ):
         config, build, weights, name = _hf_config(state, m), GPT2LMHeadModel, None, "GPT-2"
     else:
         raise ConfigError(
@@ -268,7 +277,9 @@ def export_hf(
     if config.tie_word_embeddings:
         missing = [k for k in missing if k != "lm_head.weight"]
     if missing or unexpected:
-        raise ConfigError(f"export-hf: {name} mapping incomplete (missing {missing}, unexpected {unexpected})")
+        raise ConfigError(
+            f"export-hf: {name} mapping incomplete (missing {missing}, unexpected {unexpected})"
+        )
     out = Path(out)
     model.save_pretrained(str(out))
     save_hf_tokenizer(hf_tok, out)

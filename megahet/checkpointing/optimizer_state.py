@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from megahet.checkpointing.safe_load import load_file
 from megahet.config import ConfigError
 
 TENSOR_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
@@ -68,16 +69,16 @@ def read_zero_state(folder: Path, mp_rank: int) -> dict:
     """{"fp32" | "exp_avg" | "exp_avg_sq": {name: full tensor}, "step": Adam's step, "lr": each param
     group's learning rate, "lr_scheduler" / "global_steps": the engine's} of one model-parallel rank,
     merged over its DP shards."""
-    from megahet.checkpointing.checkpoint import load_checkpoint_file, model_states_file
+    from megahet.checkpointing.checkpoint import model_states_file
 
-    model_states = load_checkpoint_file(folder / model_states_file(mp_rank))
+    model_states = load_file(folder / model_states_file(mp_rank))
     shapes = model_states["param_shapes"]
     shape_of = {name: shape for group in shapes for name, shape in group.items()}
     fragments: dict[str, dict[str, list[torch.Tensor]]] = {key: {} for key in TENSOR_KEYS}
     step = None
     files = zero_files(folder, mp_rank)
     for file in files:
-        saved = load_checkpoint_file(file)["optimizer_state_dict"]
+        saved = load_file(file)["optimizer_state_dict"]
         for g, (fp32, adam, mapping) in enumerate(
             zip(saved["single_partition_of_fp32_groups"], _group_states(saved), saved["param_slice_mappings"])
         ):

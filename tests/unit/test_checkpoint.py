@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 import types
 from pathlib import Path
@@ -369,6 +370,54 @@ def test_corrupt_deepspeed_file_is_named(world1, tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         checkpoint.load(_trainer(cfg, world1), checkpoint.find_resume(cfg))
     _one_line(err, str(bad), "truncated or corrupt")
+
+
+class _RunsCode:
+    """An object whose unpickling would run a shell command (touch `marker`): a crafted checkpoint."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize(
+    "victim",
+    ["megahet_rank_00000.pt", "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"],
+)
+def test_checkpoint_file_that_would_run_code_is_refused(world1, tmp_path: Path, victim: str) -> None:
+    """Someone who can write the checkpoint folder swaps one file (megahet's, or DeepSpeed's model or
+    ZeRO file) for a pickle that runs a command, and fixes megahet.json's sizes: the resume refuses it
+    with one line naming the file and the type, and the command never runs."""
+    cfg = _cfg(tmp_path, **{"train.load": str(tmp_path / "ck")})
+    trainer = _trainer(cfg, world1)
+    _steps(trainer, 1)
+    path, _ = checkpoint.save(trainer)
+    marker = tmp_path / "ran"
+    torch.save({"module": {}, "rng": _RunsCode(marker)}, path / victim)
+    meta = json.loads((path / checkpoint.META).read_text())
+    meta["files"][victim] = (path / victim).stat().st_size
+    (path / checkpoint.META).write_text(json.dumps(meta))
+    with pytest.raises(ConfigError) as err:
+        checkpoint.load(_trainer(cfg, world1), checkpoint.find_resume(cfg))
+    _one_line(err, str(path / victim), "system", "does not load")
+    assert not marker.exists()
+
+
+def test_saved_files_name_only_allowed_types(world1, tmp_path: Path) -> None:
+    """Every file of a real save names only types of torch's weights-only set or megahet's allow-list,
+    and the RNG states are plain (no NumPy arrays): the safe loader reads every file megahet writes."""
+    from megahet.checkpointing.safe_load import ALLOWED
+
+    trainer = _trainer(_cfg(tmp_path), world1)
+    _steps(trainer, 1)
+    path, _ = checkpoint.save(trainer)
+    allowed = {f"{t.__module__}.{t.__qualname__}" for t in ALLOWED}
+    for file in path.glob("*.pt"):
+        named = set(torch.serialization.get_unsafe_globals_in_checkpoint(file))
+        assert named <= allowed, (file.name, named - allowed)
+    assert not torch.serialization.get_unsafe_globals_in_checkpoint(path / "megahet_rank_00000.pt")
 
 
 def test_weights_only_load_restarts_the_optimizer(world1, tmp_path: Path) -> None:

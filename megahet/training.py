@@ -18,7 +18,7 @@ import dataclasses
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -127,6 +127,8 @@ class Trainer:
         self.cfg, self.task, self.engine, self.layout, self.logger = cfg, task, engine, layout, logger
         self.step_hooks = step_hooks or []
         """Objects with before_forward_backward(step), before_step(engine), after_step(engine)."""
+        self.extra_hooks: tuple[StepHook, ...] = ()
+        """The caller's own hooks among step_hooks (pretrain's extra_hooks): a rebuild adds them again."""
         t = cfg.train
         self.shares = even_shares(t.global_batch_size // t.micro_batch_size, layout.dp_size)
         """Micro-batches of every global batch per DP replica (megahet/policy/dp_shares.py; even by default)."""
@@ -381,8 +383,9 @@ def as_floats(record: dict) -> dict:
     return record
 
 
-def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
-    """Check everything, start the process groups, prepare data, build the task, engine and logger."""
+def setup(cfg: MegahetConfig, spec: TaskSpec, extra_hooks: Sequence[StepHook] = ()) -> Trainer:
+    """Check everything, start the process groups, prepare data, build the task, engine and logger.
+    `extra_hooks`: the caller's own step hooks, run after megahet's (and again after a re-split)."""
     user_ds = fold_deepspeed_json(cfg)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     resume = checkpoint.find_resume(cfg)
@@ -412,7 +415,7 @@ def setup(cfg: MegahetConfig, spec: TaskSpec) -> Trainer:
     if layout.rank == 0:
         spec.prepare(cfg)
     dist.barrier()
-    return build_trainer(cfg, spec, layout, user_ds, resume)
+    return build_trainer(cfg, spec, layout, user_ds, resume, extra_hooks=extra_hooks)
 
 
 def build_trainer(
@@ -423,10 +426,11 @@ def build_trainer(
     resume: checkpoint.Resume | None,
     logger: TrainingLogger | None = None,
     resplits: int = 0,
+    extra_hooks: Sequence[StepHook] = (),
 ) -> Trainer:
     """Build the task, engine, logger and step hooks on the started process groups and load `resume`
-    (setup(); a re-split builds again with the new layers per stage, the same logger and its count of
-    re-splits)."""
+    (setup(); a re-split builds again with the new layers per stage, the same logger, its count of
+    re-splits and the caller's `extra_hooks`, which run after megahet's)."""
     task = spec.build(cfg, layout)
     engine = build_engine(cfg, task.model, layout.dp_size, user_ds)
     logger = logger or TrainingLogger(cfg, layout, run_name=spec.name)
@@ -477,6 +481,8 @@ def build_trainer(
         trainer.step_hooks.append(PackingController(cfg, trainer, layout))
     if pipeline:
         start_pipeline(cfg, trainer, coords, resplits)
+    trainer.extra_hooks = tuple(extra_hooks)
+    trainer.step_hooks.extend(extra_hooks)
     if resume is not None:
         seconds = checkpoint.load(trainer, resume, resplit=resplits > 0)
         logger.print(f"megahet: resumed from {resume.path} (step {trainer.iteration}) in {seconds:.2f} s")
@@ -486,29 +492,38 @@ def build_trainer(
     return trainer
 
 
-def pretrain(cfg: MegahetConfig, spec: TaskSpec) -> list[dict[str, Any]]:
-    """setup(), then train with periodic logging and evaluation; returns the per-step records. When the
-    pipeline balancer asks for other layers per stage, the stages are re-split (checkpoint -> reshard with
-    the optimizer state -> rebuild, megahet/runtime/resplit.py) and training goes on."""
+def train_to_end(trainer: Trainer, spec: TaskSpec) -> tuple[Trainer, list[dict[str, Any]]]:
+    """Train `trainer` to train.train_iters; when the pipeline balancer asks for other layers per stage,
+    re-split the stages (checkpoint -> reshard with the optimizer state -> rebuild,
+    megahet/runtime/resplit.py) and go on. Returns the last Trainer and the per-step records."""
     from megahet.runtime.resplit import resplit
 
-    trainer = setup(cfg, spec)
-    logger, start, layout, user_ds = trainer.logger, trainer.start_iteration, trainer.layout, trainer.user_ds
+    logger, layout, user_ds, extra = trainer.logger, trainer.layout, trainer.user_ds, trainer.extra_hooks
 
     def rebuild(new_cfg: MegahetConfig, resume: checkpoint.Resume, resplits: int) -> Trainer:
-        return build_trainer(new_cfg, spec, layout, user_ds, resume, logger, resplits)
+        return build_trainer(new_cfg, spec, layout, user_ds, resume, logger, resplits, extra)
 
-    t0 = time.perf_counter()
     history = trainer.train()
     while trainer.pending_split is not None and trainer.iteration < trainer.cfg.train.train_iters:
         trainer = resplit(trainer, rebuild)
         history += trainer.train()
+    return trainer, history
+
+
+def pretrain(
+    cfg: MegahetConfig, spec: TaskSpec, extra_hooks: Sequence[StepHook] = ()
+) -> list[dict[str, Any]]:
+    """setup(), then train with periodic logging and evaluation (train_to_end); returns the per-step
+    records. `extra_hooks`: the caller's own step hooks (megahet/runtime/hooks.py), run after megahet's."""
+    trainer = setup(cfg, spec, extra_hooks)
+    start, t0 = trainer.start_iteration, time.perf_counter()
+    trainer, history = train_to_end(trainer, spec)
     for hook in trainer.step_hooks:
         hook.close()
-    logger.print(
+    trainer.logger.print(
         f"megahet {spec.name}: {trainer.iteration - start} steps in {time.perf_counter() - t0:.1f} s"
     )
-    logger.close()
+    trainer.logger.close()
     return history
 
 

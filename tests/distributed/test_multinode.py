@@ -47,6 +47,7 @@ from harness import (
     metrics_curves,
     metrics_job,
     short_run,
+    skip_or_fail,
     torchrun_curves,
 )
 
@@ -74,17 +75,17 @@ class Host:
 
 
 def _ip(*args: str) -> None:
-    """Run `ip args`; skip the module (the machine cannot make the hosts) when it fails."""
+    """Run `ip args`; skip the module (the machine cannot make the hosts) when it fails (fail in CI)."""
     done = subprocess.run(["ip", *args], check=False, capture_output=True, text=True)
     if done.returncode != 0:
-        pytest.skip(f"{NEEDS}: `ip {' '.join(args)}` failed: {done.stderr.strip()}")
+        skip_or_fail(f"{NEEDS}: `ip {' '.join(args)}` failed: {done.stderr.strip()}")
 
 
 @pytest.fixture(scope="module")
 def hosts():
     """Two namespace hosts joined by a veth pair (names unique to this pid); deleted afterwards."""
     if shutil.which("ip") is None:
-        pytest.skip(f"{NEEDS}: `ip` not found")
+        skip_or_fail(f"{NEEDS}: `ip` not found")
     tag = f"megahet{os.getpid()}"
     a, b = Host(f"{tag}a", "10.77.0.1", "mhveth0"), Host(f"{tag}b", "10.77.0.2", "mhveth1")
     made = []

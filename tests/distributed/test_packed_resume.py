@@ -68,7 +68,9 @@ def test_packed_resume_continues_with_the_same_documents(runs: Path) -> None:
     killed = read_records(runs / "killed.jsonl")
     assert resumed[first]["cost_a"] == killed[start]["cost_a"]  # the saved model, not a new profile
     last = full[STEPS]  # telemetry: per replica, and the refitted model's error on steps it never saw
-    assert all(last[f"{k}_dp{r}"] > 0 for k in ("pred_s", "meas_s", "sum_sq", "micro_batches") for r in (0, 1))
+    assert all(
+        last[f"{k}_dp{r}"] > 0 for k in ("pred_s", "meas_s", "sum_sq", "micro_batches") for r in (0, 1)
+    )
     assert 0 <= last["cost_mape"] < 10 and last["cost_a"] + last["cost_b"] > 0
     for key in ("loss", "grad_norm", "lr"):
         actual = torch.tensor([resumed[s][key] for s in steps], dtype=torch.float64)

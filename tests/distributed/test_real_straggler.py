@@ -19,7 +19,7 @@ import statistics
 import time
 
 import pytest
-from harness import GPT_MODEL, REPO, finish, start_torchrun
+from harness import GPT_MODEL, REPO, finish, skip_or_fail, start_torchrun
 
 from benchmarks.contention import competing_process, two_cores
 
@@ -83,7 +83,7 @@ def _contended_run(out, gpt_data, extra: str) -> tuple[list[dict], int]:
     """The records of a 2-rank run whose rank 1 shares its core with a busy process after CALM_STEPS."""
     cores = two_cores()
     if cores is None:
-        pytest.skip("needs two CPU cores to pin the two ranks to (os.sched_getaffinity)")
+        skip_or_fail("needs two CPU cores to pin the two ranks to (os.sched_getaffinity)")
     metrics = out / "metrics.jsonl"
     args = [
         str(REPO / "pretrain_gpt.py"),

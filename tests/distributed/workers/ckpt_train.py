@@ -3,7 +3,8 @@
     torchrun --nproc_per_node 2 ckpt_train.py --out DIR --job plain="--parallel.tp 1 ..." \
         [--job resized="..."] [--slow 0.3] [--fault resized:6:1 ...] -- <common config overrides>
 
-Each run is `setup(cfg, pretrain_gpt.SPEC)` then `Trainer.train()`, as `pretrain()` does. With
+Each run is `setup(cfg, pretrain_gpt.SPEC, extra_hooks)` then `train_to_end`, as `pretrain()` does
+(re-splitting the stages when the pipeline balancer asks). With
 --slow S every step sleeps S seconds after the optimizer step (a stateless step hook), so that a test
 can SIGKILL the launch between two checkpoints. With --fault NAME:STEP:RANK (one per torchrun restart
 k: the k-th applies in attempt k) that rank SIGKILLs itself in the middle of STEP of run NAME. After each run every rank saves its model's tensors
@@ -27,7 +28,7 @@ from megatron.core import parallel_state as ps
 import pretrain_gpt
 from megahet.config import load_config
 from megahet.runtime.hooks import StepHook
-from megahet.training import setup
+from megahet.training import setup, train_to_end
 
 
 class KillAt(StepHook):
@@ -62,20 +63,19 @@ def fault_now(faults: list[str], name: str) -> int | None:
     if attempt >= len(faults):
         return None
     job, step, rank = faults[attempt].split(":")
-    return int(step) if job == name and int(rank) == dist.get_rank() else None
+    return int(step) if job == name and int(rank) == int(os.environ["RANK"]) else None
 
 
 def run(name: str, argv: list[str], out: Path, slow: float, faults: list[str] = ()) -> None:
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    trainer = setup(load_config(argv), pretrain_gpt.SPEC)
-    start = trainer.iteration
-    if slow:
-        trainer.step_hooks.append(Sleep(slow))
+    hooks = [Sleep(slow)] if slow else []
     kill_step = fault_now(list(faults), name)
     if kill_step is not None:
-        trainer.step_hooks.append(KillAt(kill_step))
-    trainer.train()
+        hooks.append(KillAt(kill_step))
+    trainer = setup(load_config(argv), pretrain_gpt.SPEC, extra_hooks=hooks)
+    start = trainer.iteration
+    trainer, _ = train_to_end(trainer, pretrain_gpt.SPEC)  # re-splits the stages when asked, as pretrain()
     trainer.logger.close()
     tensors = {
         k: v.detach().clone() for k, v in trainer.engine.module.state_dict().items() if torch.is_tensor(v)

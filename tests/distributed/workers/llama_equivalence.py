@@ -108,7 +108,10 @@ def run(model, before_gather=None) -> dict:
 def global_drops(tp: int) -> dict:
     """local_drops of the last TP rank as global units of the TP=1 model."""
     per_rank = {"mlp": FFN // tp, "attn": HEADS // tp}
-    return {block: tuple((tp - 1) * per_rank[block[0]] + u for u in units) for block, units in local_drops(tp).items()}
+    return {
+        block: tuple((tp - 1) * per_rank[block[0]] + u for u in units)
+        for block, units in local_drops(tp).items()
+    }
 
 
 @torch.no_grad()
@@ -133,7 +136,10 @@ def tp_phase(tp: int, results: dict) -> None:
     layout = current_layout()
     results["gamma0"] = {spec: run(build(spec, tp)) for spec in ("megatron", "resizable")}
     drops = ResizePlan({block: {(0, tp - 1): units} for block, units in local_drops(tp).items()})
-    for name, plan in (("drops", drops), ("migrate", ResizePlan.from_dict({**drops.to_dict(), "migrated": moves(tp)}))):
+    for name, plan in (
+        ("drops", drops),
+        ("migrate", ResizePlan.from_dict({**drops.to_dict(), "migrated": moves(tp)})),
+    ):
         model = build("resizable", tp)
         executor = ResizeExecutor(
             model, dp_rank=0, tp_rank=layout.tp_rank, dp_size=1, tp_group=ps.get_tensor_model_parallel_group()

@@ -20,6 +20,7 @@ from typing import Any
 import deepspeed
 import torch
 
+from megahet.compat.deepspeed_zero import mark_pipe_replicated
 from megahet.config import ConfigError, MegahetConfig, load_deepspeed_json
 from megahet.parallel import MegatronMpu
 from megahet.platform import cuda_available
@@ -132,7 +133,7 @@ def mark_pipeline_copies(model: torch.nn.Module) -> int:
     flagged = 0
     for param in model.parameters():
         if getattr(param, "shared", False):
-            param.ds_pipe_replicated = True
+            mark_pipe_replicated(param)
             flagged += 1
     return flagged
 

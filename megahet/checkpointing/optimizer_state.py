@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from megahet.checkpointing.safe_load import load_file
+from megahet.compat import deepspeed_zero as zero
 from megahet.config import ConfigError
 
 TENSOR_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
@@ -50,21 +51,6 @@ def zero_files(folder: Path, mp_rank: int) -> list[Path]:
     return files
 
 
-def _group_states(optimizer_state: dict) -> list[dict]:
-    """Adam's state of each group's flat partition: torch's state_dict (state keyed by group index, as
-    each group holds one flat tensor) or DeepSpeed's elastic list of per-group states."""
-    base = optimizer_state["base_optimizer_state"]
-    if isinstance(base, list):
-        return base
-    return [base["state"][i] for i in range(len(base["param_groups"]))]
-
-
-def _group_lrs(optimizer_state: dict) -> list[float] | None:
-    """Each param group's learning rate at the save (what the next step uses), if recorded."""
-    base = optimizer_state["base_optimizer_state"]
-    return [group["lr"] for group in base["param_groups"]] if isinstance(base, dict) else None
-
-
 def read_zero_state(folder: Path, mp_rank: int) -> dict:
     """{"fp32" | "exp_avg" | "exp_avg_sq": {name: full tensor}, "step": Adam's step, "lr": each param
     group's learning rate, "lr_scheduler" / "global_steps": the engine's} of one model-parallel rank,
@@ -78,24 +64,22 @@ def read_zero_state(folder: Path, mp_rank: int) -> dict:
     step = None
     files = zero_files(folder, mp_rank)
     for file in files:
-        saved = load_file(file)["optimizer_state_dict"]
-        for g, (fp32, adam, mapping) in enumerate(
-            zip(saved["single_partition_of_fp32_groups"], _group_states(saved), saved["param_slice_mappings"])
-        ):
+        saved = load_file(file)
+        for fp32, adam, mapping in zero.file_partitions(saved):
             flat = {"fp32": fp32, "exp_avg": adam["exp_avg"], "exp_avg_sq": adam["exp_avg_sq"]}
             step = int(adam["step"]) if step is None else step
             for name, address in mapping.items():  # (numel, start) of the parameter in this partition
                 for key, buffer in flat.items():
                     fragments[key].setdefault(name, []).append(buffer.narrow(0, address.start, address.numel))
     missing = sorted(set(shape_of) - set(fragments["fp32"]))
-    if missing or len(files) != saved.get("partition_count", [len(files)])[0]:
+    if missing or len(files) != zero.file_partition_count(saved, len(files)):
         raise ConfigError(
             f"train.load: {folder} mp_rank_{mp_rank:02d}: the ZeRO shards ({len(files)} DP ranks) do not hold "
             f"every parameter ({missing[:1] or 'partition count'} missing): the checkpoint is incomplete"
         )
     state: dict = {
         "step": step,
-        "lr": _group_lrs(saved),
+        "lr": zero.file_group_lrs(saved),
         "lr_scheduler": model_states.get("lr_scheduler"),
         "global_steps": model_states.get("global_steps"),
     }
@@ -123,9 +107,9 @@ def load_into_engine(engine, state: dict) -> None:
     if state.get("lr") is not None:  # the schedule's value at the save, until its next step
         for group, lr in zip(optimizer.optimizer.param_groups, state["lr"], strict=True):
             group["lr"] = lr
-    optimizer._lazy_init_hp_params_optimizer_state()  # link each parameter's fragment of Adam's state
+    zero.link_optimizer_state(optimizer)  # link each parameter's fragment of Adam's state
     params = dict(engine.module.named_parameters())
-    trained = {name for name, p in params.items() if getattr(p, "_hp_mapping", None) is not None}
+    trained = {name for name, p in params.items() if zero.hp_fragment(p) is not None}
     missing = sorted(trained - set(state["fp32"]))
     if missing:
         raise ConfigError(f"train.load: the checkpoint's optimizer state has no {missing[0]}: not this model")

@@ -36,6 +36,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from megahet.compat import deepspeed_zero as zero
 from megahet.tensor_parallel.blocks import Block, UnitParam, find_blocks
 from megahet.tensor_parallel.migration import MigrationExchange
 from megahet.tensor_parallel.plan import BlockKey, ResizePlan, block_name, parse_block_name
@@ -383,21 +384,20 @@ class _FrozenSlice:
     def indexes(param, offsets: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(flat offsets in the parameter, offsets in this rank's ZeRO fp32 fragment or None), int64 on
         the devices of the parameter and of the fragment."""
-        fragment = getattr(param, "_hp_mapping", None)  # DeepSpeed ZeRO-1/2 link to the fp32 partition
-        local = None
-        if fragment is not None:
-            addr = fragment.lp_fragment_address
-            mine = offsets[(offsets >= addr.start) & (offsets < addr.start + addr.numel)] - addr.start
-            local = torch.from_numpy(mine).to(fragment.hp_fragment.device)
+        fragment = zero.hp_fragment(param)  # DeepSpeed ZeRO-1/2 link to the fp32 partition
+        local = None if fragment is None else zero.fragment_local_offsets(fragment, offsets)
         return torch.from_numpy(offsets).to(param.device), local
 
     @classmethod
     @torch.no_grad()
     def capture(cls, param, index: torch.Tensor, local: torch.Tensor | None, optimizer) -> _FrozenSlice:
         master = None
-        fragment = getattr(param, "_hp_mapping", None)
+        fragment = zero.hp_fragment(param)
         if fragment is not None and local is not None:
-            states = {k: v.index_select(0, local) for k, v in _optim_fragment(fragment, optimizer).items()}
+            states = {
+                k: v.index_select(0, local)
+                for k, v in zero.fragment_optimizer_state(fragment, optimizer).items()
+            }
             master = (local, fragment.hp_fragment.index_select(0, local), states)
         torch_state = {}
         if optimizer is not None and param in getattr(optimizer, "state", {}):
@@ -409,11 +409,11 @@ class _FrozenSlice:
     @torch.no_grad()
     def restore(self, optimizer) -> None:
         self.param.data.view(-1).index_copy_(0, self.index, self.module_values)
-        fragment = getattr(self.param, "_hp_mapping", None)
+        fragment = zero.hp_fragment(self.param)
         if self.master is not None and fragment is not None:
             local, values, states = self.master
             fragment.hp_fragment.index_copy_(0, local, values)
-            for k, v in _optim_fragment(fragment, optimizer).items():
+            for k, v in zero.fragment_optimizer_state(fragment, optimizer).items():
                 if k in states:
                     v.index_copy_(0, local, states[k])
                 else:  # state created by this step: as if never stepped
@@ -425,21 +425,3 @@ class _FrozenSlice:
                         v.view(-1).index_copy_(0, self.index, self.torch_state[k])
                     else:
                         v.view(-1).index_fill_(0, self.index, 0.0)
-
-
-def _optim_fragment(fragment, optimizer) -> dict[str, torch.Tensor]:
-    """This ZeRO fragment's optimizer-state views ({} before the first step), linking them if needed.
-
-    DeepSpeed (0.19) links every parameter to its optimizer state once, right after the optimizer
-    step of the *first* parameter group, when the other groups (megahet's no-weight-decay group:
-    biases) have no state yet; their links then stay empty for good. Link them here from the flat
-    fp32 partition's state once it exists.
-    """
-    if not fragment.optim_fragment and optimizer is not None:
-        flats = getattr(optimizer, "single_partition_of_fp32_groups", None)
-        inner = getattr(optimizer, "optimizer", None)
-        if flats is not None and inner is not None:
-            flat = flats[fragment.param_group_index]
-            if inner.state.get(flat):
-                fragment.set_optim_state_fragment(flat, inner.state[flat])
-    return fragment.optim_fragment or {}

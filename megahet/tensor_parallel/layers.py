@@ -108,7 +108,9 @@ class ResizableColumnParallelLinear(ColumnParallelLinear):
         self.executed_flops = self.backward_flops = 0
         self.count_backward = False
 
-    def set_guests(self, weight: torch.Tensor | tuple | None, bias: torch.Tensor | tuple | None = None) -> None:
+    def set_guests(
+        self, weight: torch.Tensor | tuple | None, bias: torch.Tensor | tuple | None = None
+    ) -> None:
         """Rows of other ranks' units to compute after this rank's own (migration), or None; a tuple of
         tensors is their rows in parts, joined at each call."""
         if weight is not None:
@@ -137,7 +139,9 @@ class ResizableColumnParallelLinear(ColumnParallelLinear):
             bias = gather_units(bias, 0, self.kept)
         if self.guest_weight is not None:  # guests' input is the replicated x this rank already holds
             w = _append_rows(w, _joined(self.guest_weight), self.unit_groups)  # (kept + guest rows, h)
-            bias = _append_rows(bias, _joined(self.guest_bias), self.unit_groups) if bias is not None else None
+            bias = (
+                _append_rows(bias, _joined(self.guest_bias), self.unit_groups) if bias is not None else None
+            )
         flops = 2 * _tokens(input_) * w.shape[0] * w.shape[1]
         self.executed_flops += flops
         out = F.linear(x, w, None if self.skip_bias_add else bias)  # (s, b, kept + guests)
@@ -260,7 +264,9 @@ class ResizableSelfAttention(SelfAttention):
         period = (per_group + 2) * hn  # per group: [q_0 .. q_{r-1}, k, v] heads of hn rows
         span = torch.arange(hn, device=device)
         q_rows = (groups[:, None] * period + heads[:, None] % per_group * hn + span).reshape(-1)
-        kv_rows = (needed[:, None] * period + per_group * hn + torch.arange(2 * hn, device=device)).reshape(-1)
+        kv_rows = (needed[:, None] * period + per_group * hn + torch.arange(2 * hn, device=device)).reshape(
+            -1
+        )
         self.linear_qkv.set_kept(torch.cat([q_rows, kv_rows]))  # (kept hn + needed 2 hn,)
         kept = self.kept_heads is not None
         self.linear_proj.set_kept((heads[:, None] * hn + span).reshape(-1) if kept else None)
@@ -269,9 +275,13 @@ class ResizableSelfAttention(SelfAttention):
         guests = self.guest_head_groups
         self.head_groups = own if guests is None else torch.cat([own, guests + len(needed)])
 
-    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
+    def get_query_key_value_tensors(
+        self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True
+    ):
         if self.head_groups is None:
-            return super().get_query_key_value_tensors(hidden_states, key_value_states, output_gate, split_qkv)
+            return super().get_query_key_value_tensors(
+                hidden_states, key_value_states, output_gate, split_qkv
+            )
         if output_gate or not split_qkv:
             raise NotImplementedError("resized grouped-query attention needs split q, k, v without a gate")
         mixed, _ = self.linear_qkv(hidden_states)  # (s, b, [own q | own k/v | guest q | guest k/v])

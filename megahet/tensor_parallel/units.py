@@ -129,7 +129,9 @@ class GroupedUnitParam(UnitParam):
     def _view(self, tensor: torch.Tensor) -> torch.Tensor:
         """(blocks, count, ...) view: the units' slices, period-major."""
         period = tensor.shape[self.dim] // self.blocks
-        view = tensor.unflatten(self.dim, (self.blocks, period)).narrow(self.dim + 1, self.offset, self.count * self.width)
+        view = tensor.unflatten(self.dim, (self.blocks, period)).narrow(
+            self.dim + 1, self.offset, self.count * self.width
+        )
         view = view.unflatten(self.dim + 1, (self.count, self.width))  # (..., blocks, count, width, ...)
         return view.movedim(self.dim, 0).movedim(self.dim + 1, 1)
 
@@ -140,7 +142,9 @@ class GroupedUnitParam(UnitParam):
 
     def units(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.count != 1:
-            raise TypeError("query-head units of grouped-query attention have no strided view: use the accessors")
+            raise TypeError(
+                "query-head units of grouped-query attention have no strided view: use the accessors"
+            )
         return self._view(tensor).squeeze(1)  # (blocks, ...), a view
 
     @property

@@ -83,3 +83,77 @@ def test_deepspeed_saved_types_still_exist_where_its_files_name_them(saved: type
     assert getattr(module, saved.__qualname__, None) is saved, (
         f"{saved.__module__}.{saved.__qualname__} moved"
     )
+
+
+# --- DeepSpeed ZeRO-1/2's per-parameter links and file layout (megahet/compat/deepspeed_zero.py) ----
+
+
+@pytest.fixture(scope="module")
+def zero_engine(world1):
+    """A ZeRO-1 DeepSpeed engine (AdamW, two parameter groups) after two optimizer steps."""
+    from megahet.config import MegahetConfig, apply_overrides
+    from megahet.engine import build_engine
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    cfg = apply_overrides(MegahetConfig(), {"train.global_batch_size": 4, "train.micro_batch_size": 4})
+    engine = build_engine(cfg, model, 1, {})
+    for _ in range(2):
+        engine.zero_grad()
+        engine(torch.randn(4, 8)).pow(2).mean().backward()
+        engine.step()
+    return engine
+
+
+def test_zero_parameters_link_to_their_fp32_fragment(zero_engine) -> None:
+    import numpy as np
+
+    from megahet.compat import deepspeed_zero as zero
+
+    weight = zero_engine.module[0].weight
+    fragment = zero.hp_fragment(weight)
+    assert fragment is not None, "ZeRO-1 parameters have no `_hp_mapping` any more"
+    for name in ("lp_fragment_address", "hp_fragment", "optim_fragment", "param_group_index"):
+        _has(fragment, name, "ZeRO fragment")
+    _has(fragment, "set_optim_state_fragment", "ZeRO fragment")
+    local = zero.fragment_local_offsets(fragment, np.array([0, 3, 63]))
+    assert local.tolist() == [0, 3, 63], "the fragment's address no longer maps the parameter's offsets"
+    assert torch.equal(fragment.hp_fragment.view(-1)[local], weight.detach().view(-1)[[0, 3, 63]])
+    states = zero.fragment_optimizer_state(fragment, zero_engine.optimizer)
+    assert set(states) >= {"exp_avg", "exp_avg_sq"}, (
+        f"fragment optimizer state keys changed: {sorted(states)}"
+    )
+    bias = zero.hp_fragment(zero_engine.module[0].bias)  # the no-weight-decay group: linked here if needed
+    assert set(zero.fragment_optimizer_state(bias, zero_engine.optimizer)) >= {"exp_avg", "exp_avg_sq"}
+
+
+def test_zero_optimizer_has_partitions_and_lazy_linking(zero_engine) -> None:
+    from megahet.compat import deepspeed_zero as zero
+
+    optimizer = zero_engine.optimizer
+    _has(optimizer, zero.FP32_PARTITIONS, "ZeRO optimizer")
+    _has(optimizer, "optimizer", "ZeRO optimizer")
+    _has(optimizer, "_lazy_init_hp_params_optimizer_state", "ZeRO optimizer")
+    zero.link_optimizer_state(optimizer)
+
+
+def test_zero_file_layout_is_what_megahet_reads(zero_engine, tmp_path: Path) -> None:
+    from megahet.checkpointing.safe_load import load_file
+    from megahet.compat import deepspeed_zero as zero
+
+    zero_engine.save_checkpoint(str(tmp_path), tag="t")
+    saved = load_file(next((tmp_path / "t").glob("*optim_states.pt")))
+    partitions = zero.file_partitions(saved)
+    assert len(partitions) == 2, "ZeRO file: one flat partition per parameter group expected"
+    fp32, adam, mapping = partitions[0]
+    assert {"exp_avg", "exp_avg_sq", "step"} <= set(adam), f"Adam's saved state keys changed: {sorted(adam)}"
+    assert all(a.start + a.numel <= fp32.numel() for a in mapping.values()), "param_slice_mappings changed"
+    assert len(zero.file_group_lrs(saved)) == 2 and zero.file_partition_count(saved, 0) == 1
+
+
+def test_deepspeed_gradient_norm_reads_pipe_replicated() -> None:
+    import deepspeed.runtime.utils as ds_utils
+
+    assert "ds_pipe_replicated" in inspect.getsource(ds_utils), (
+        "DeepSpeed's gradient norm no longer skips parameters flagged `ds_pipe_replicated`"
+    )

@@ -25,8 +25,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 
+from megahet.compat.cpu_shims import apply_cpu_shims
 from megahet.config import ConfigError
-from megahet.platform import apply_cpu_shims, cuda_available, distributed_backend
+from megahet.platform import cuda_available, distributed_backend
 
 
 @dataclasses.dataclass(frozen=True)

@@ -139,7 +139,7 @@ class Trainer:
         self.step_plan = None
         """With packed documents: the current global batch's plan (megahet/data/packed.py StepPlan); the
         losses are token sums, scaled by DP / the global batch's tokens so every token weighs the same."""
-        self.clock = CommClock.install()
+        self.clock = CommClock()
         self.timers = ComputeTimers(self.clock)
         self.times = StepTimes(0.0, 0.0, 0.0)
         """The last step's own compute, collective waits and own compute inside the transformer layers
@@ -256,12 +256,13 @@ class Trainer:
         t0 = self.step_t0 = time.perf_counter()
         self.hooks_s = 0.0
         self.clock.read()  # drop what evaluation measured
-        outputs = self.forward_backward()
-        t1 = time.perf_counter()
-        for hook in self.step_hooks:
-            hook.before_step(self.engine)
-        t2 = time.perf_counter()
-        self.engine.step()
+        with self.clock.installed():  # torch.distributed's collectives are timed within the step only
+            outputs = self.forward_backward()
+            t1 = time.perf_counter()
+            for hook in self.step_hooks:
+                hook.before_step(self.engine)
+            t2 = time.perf_counter()
+            self.engine.step()
         t3 = time.perf_counter()
         self.times = self.clock.read()  # on a GPU: CUDA events, read once per step
         for hook in self.step_hooks:
@@ -461,9 +462,10 @@ def build_trainer(
         profile = parse_profile(cfg.device.profile)
         index, width = profile.index(layout.tp_rank, layout.tp_size, layout.rank, layout.world_size)
         device = VirtualDevice(profile, index, width, cfg.device.rate_gflops)
-        attach_virtual_device(task.model, device, CommClock.install())
         hooks.append(DeviceStepHook(device))
     trainer = Trainer(cfg, task, engine, layout, logger, hooks)
+    if cfg.device.profile:  # it pays before each collective the trainer's clock times
+        attach_virtual_device(task.model, device, trainer.clock)
     trainer.user_ds = user_ds
     pipeline = cfg.hetero.pp_active and layout.pp_size > 1
     if cfg.balance.active or pipeline:  # the balancers read the transformer layers' own compute

@@ -7,5 +7,14 @@ relies on, failing with a line that names it: a version bump then fails in one c
 inside training.
 
 - `deepspeed_checkpoint.py`: the types DeepSpeed pickles into its checkpoint files, and the loads
-  DeepSpeed and its zero_to_fp32 make, routed through megahet's safe loader.
+  DeepSpeed and its zero_to_fp32 make, routed through megahet's safe loader;
+- `deepspeed_zero.py`: ZeRO-1/2's per-parameter fp32 and Adam fragments, its optimizer file layout,
+  and the flag of pipeline copies in its gradient norm;
+- `collectives.py`: torch.distributed's collectives (and megatron-core's own bindings of two of them)
+  wrapped for the length of a training step, for the clock;
+- `megatron_timers.py`: the names of megatron-core's compute timers the clock opens its regions on;
+- `cpu_shims.py`: the megatron-core and DeepSpeed calls that assume CUDA, replaced on CPU only.
+
+Nothing outside this folder touches another library's private names; `cpu_shims` and `collectives`
+are the only modules that replace anything, the first on CPU only and the second within a step.
 """

@@ -24,7 +24,7 @@ global rank, over the whole mesh (a slow replica, a slow node):
     contention:4,20,7               every 20 steps each rank is 4x slow with probability 1/2 (seed 7)
 
     device = VirtualDevice(parse_profile("static:1,0.25"), tp_rank=1, tp_size=2, rate_gflops=20)
-    attach_virtual_device(model, device, CommClock.install())   # pays before each collective
+    attach_virtual_device(model, device, trainer.clock)   # pays before each collective it times
 """
 
 from __future__ import annotations

@@ -16,10 +16,11 @@ Clocks: on CPU, `time.perf_counter()`. On a GPU, CUDA events recorded on the cur
 is timed by events before and after the call, or around `work.wait()` for an asynchronous one: the stream
 time spent waiting for it), read once after the step: nothing synchronizes per region or collective.
 
-    clock = CommClock.install()          # once per process: wraps torch.distributed's collectives
+    clock = CommClock()                  # no side effect
     timers = ComputeTimers(clock)        # model.config.timers = timers; the schedule opens the regions
     time_layers(model, clock)            # also the own compute inside the transformer layers
-    ... one step ...
+    with clock.installed():              # torch.distributed's collectives timed within the block only
+        ... one step ...
     times = clock.read()                 # StepTimes(compute_s, wait_s, layers_s) of the step (resets)
 
 The balancer reads `layers_s`: the compute of the work a plan can move. A rank doing fewer units still
@@ -33,44 +34,17 @@ delay of a layer's work is inside that layer's time (the pipeline balancer's per
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 
+from megahet.compat.collectives import collectives_wrapped
+from megahet.compat.megatron_timers import COMPUTE_REGIONS
 from megahet.platform import cuda_available
-
-COMPUTE_REGIONS = ("forward-compute", "backward-compute")
-
-# torch.distributed entry points that wait on peers. Those returning a Work (async_op=True) inside a
-# region return a Work whose wait() is timed too.
-COLLECTIVES = (
-    "all_reduce",
-    "all_reduce_coalesced",
-    "all_gather",
-    "all_gather_into_tensor",
-    "_all_gather_base",
-    "all_gather_coalesced",
-    "all_gather_object",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "_reduce_scatter_base",
-    "reduce",
-    "broadcast",
-    "broadcast_object_list",
-    "all_to_all",
-    "all_to_all_single",
-    "gather",
-    "scatter",
-    "barrier",
-    "send",
-    "recv",
-)
-# Not wrapped: isend / irecv / batch_isend_irecv (P2POp checks `op` against the originals). megatron-core's
-# pipeline sends and receives run outside the compute regions, and migration's between steps.
 
 
 class StepTimes(NamedTuple):
@@ -123,7 +97,8 @@ class _TimedWork:
 class CommClock:
     """Collective time inside compute regions, and the regions themselves, per step."""
 
-    _installed: CommClock | None = None
+    _active: CommClock | None = None
+    """The clock whose `installed()` block is running: the collective wrappers time into it."""
 
     def __init__(self, stamps: HostStamps | CudaStamps | None = None):
         self.stamps = stamps or (CudaStamps() if cuda_available() else HostStamps())
@@ -144,18 +119,16 @@ class CommClock:
         self._layer_waits: list[tuple] = []  # (start, end) stamps of collectives inside them
         self._depth = 0  # a collective calling another (all_gather_object) is timed once
 
-    @classmethod
-    def install(cls) -> CommClock:
-        """The process's clock; the first call wraps torch.distributed's collectives."""
-        if cls._installed is None:
-            cls._installed = cls()
-            wrapped = {}
-            for name in COLLECTIVES:
-                if hasattr(dist, name):
-                    wrapped[getattr(dist, name)] = _wrap(getattr(dist, name))
-                    setattr(dist, name, wrapped[getattr(dist, name)])
-            _rebind_bound_collectives(wrapped)
-        return cls._installed
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[CommClock]:
+        """Within the block (a training step: the Trainer opens it), torch.distributed's collectives are
+        timed into this clock; the originals are back after it (megahet/compat/collectives.py)."""
+        previous, CommClock._active = CommClock._active, self
+        try:
+            with collectives_wrapped(_wrap):
+                yield self
+        finally:
+            CommClock._active = previous
 
     @property
     def in_region(self) -> bool:
@@ -233,35 +206,16 @@ class _Blocked:
 def _wrap(fn):
     @functools.wraps(fn)
     def collective(*args, **kwargs):
-        clock = CommClock._installed
+        clock = CommClock._active
+        if clock is None:
+            return fn(*args, **kwargs)
         with clock.blocked():
             out = fn(*args, **kwargs)
         if clock.in_region and out is not None and hasattr(out, "wait"):
             return _TimedWork(out, clock)
         return out
 
-    collective.__wrapped_by_megahet__ = True
     return collective
-
-
-# megatron-core modules that bind a collective to a name of their own when imported.
-_BOUND = (
-    "megatron.core.tensor_parallel.mappings",
-    "megatron.core.tensor_parallel.layers",
-    "megatron.core.transformer.multi_token_prediction",
-)
-
-
-def _rebind_bound_collectives(wrapped: dict) -> None:
-    """Point megatron-core's own names for collectives (`dist_all_gather_func`, ...) at the wrappers."""
-    import importlib
-
-    for module_name in _BOUND:
-        module = importlib.import_module(module_name)
-        for attr in ("dist_all_gather_func", "dist_reduce_scatter_func"):
-            fn = getattr(module, attr, None)
-            if fn in wrapped:
-                setattr(module, attr, wrapped[fn])
 
 
 class _LayerBackwardEnds(torch.autograd.Function):

@@ -14,6 +14,10 @@ import pytest
 from harness import torchrun
 
 SLOW_FROM, SLOW_UNTIL, STEPS = 6, 24, 36
+SLOW = 0.25  # the straggler's emulated speed: a gap of 0.75
+HEALTHY_GAP = 0.2
+"""The test's balance.healthy_gap: far below the straggler's gap, far above what calm ranks measure apart
+on a busy 2-core machine (they share its cores with whatever else runs), so noise never moves work."""
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +29,10 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory):
 def records(run_dir) -> list[dict]:
     out = run_dir
     metrics = out / "metrics.jsonl"
-    profile = f"schedule:0=1,1;{SLOW_FROM}=1,0.25;{SLOW_UNTIL}=1,1"
+    profile = f"schedule:0=1,1;{SLOW_FROM}=1,{SLOW};{SLOW_UNTIL}=1,1"
     args = (
         f"--parallel.tp 2 --device.profile {profile} --device.rate_gflops 5 --balance.mode migrate "
+        f"--balance.healthy_gap {HEALTHY_GAP} "
         f"--train.train_iters {STEPS} --train.log_interval 1 --train.eval_interval {STEPS} --train.eval_iters 2 "
         f"--logging.wandb false --logging.metrics_file {metrics} --logging.log_dir {out} "
         f"--balance.trace {out / 'trace.jsonl'}"
@@ -54,15 +59,18 @@ def test_straggler_detected_and_work_migrated_within_a_few_steps(records):
     assert by_step[reacted]["migration_mb_step_max"] > 0
     # The measured own compute shows the straggler 4x (its peer's waits are not compute), and while
     # migrated the slow rank's compute is close to the fast one's.
+    # Margins from the emulated speed: 4x slow is measured above 3.5x (within 1 - 0.875); balanced, the
+    # two ranks' compute is within 1.35x (an ideal migration leaves 1.0x: the fixed non-GEMM compute
+    # of a rank doing fewer units is the rest).
     unbalanced = by_step[SLOW_FROM + 1]
-    assert unbalanced["compute_max_s"] > 3.5 * unbalanced["compute_min_s"]
-    assert unbalanced["device_charge_s_max"] > 3.5 * unbalanced["device_charge_s_min"]
+    assert unbalanced["compute_max_s"] > 0.875 / SLOW * unbalanced["compute_min_s"]
+    assert unbalanced["device_charge_s_max"] > 0.875 / SLOW * unbalanced["device_charge_s_min"]
     for s in range(reacted + 1, SLOW_UNTIL):
         assert by_step[s]["compute_max_s"] < 1.35 * by_step[s]["compute_min_s"], (s, by_step[s])
-    # Before the straggler, the two ranks' measured compute agrees within a few percent.
-    assert all(
-        by_step[s]["compute_max_s"] < 1.05 * by_step[s]["compute_min_s"] for s in range(2, SLOW_FROM + 1)
-    )
+    # Before the straggler, the two ranks' measured compute agrees within the healthy gap.
+    spread = [by_step[s]["compute_max_s"] / by_step[s]["compute_min_s"] for s in range(2, SLOW_FROM + 1)]
+    print(f"calm compute spread (max / min) per step: {[round(x, 3) for x in spread]}")
+    assert max(spread) < 1 / (1 - HEALTHY_GAP), spread
 
 
 def test_plan_returns_to_even_when_the_straggler_recovers(records):

@@ -157,3 +157,34 @@ def test_deepspeed_gradient_norm_reads_pipe_replicated() -> None:
     assert "ds_pipe_replicated" in inspect.getsource(ds_utils), (
         "DeepSpeed's gradient norm no longer skips parameters flagged `ds_pipe_replicated`"
     )
+
+
+# --- megatron-core's timer names and bound collectives, torch.distributed's collectives -------------
+
+
+def test_megatron_schedules_time_the_compute_regions_by_these_names() -> None:
+    from megatron.core.pipeline_parallel import schedules
+
+    from megahet.compat.megatron_timers import COMPUTE_REGIONS
+
+    source = inspect.getsource(schedules)
+    for name in COMPUTE_REGIONS:
+        for call in (f"config.timers('{name}', log_level=2).start()", f"config.timers('{name}').stop()"):
+            assert call in source, (
+                f"megatron-core's schedules no longer call {call}: the clock would time nothing"
+            )
+
+
+def test_collectives_and_megatron_bound_names_exist() -> None:
+    import importlib
+
+    import torch.distributed as dist
+
+    from megahet.compat.collectives import BOUND, COLLECTIVES
+
+    missing = [name for name in COLLECTIVES if not hasattr(dist, name)]
+    assert not missing, f"torch.distributed no longer has {missing}"
+    for module_name, names in BOUND.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            assert callable(getattr(module, name, None)), f"{module_name}.{name} no longer exists"

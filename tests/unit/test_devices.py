@@ -139,24 +139,24 @@ def test_device_pays_before_the_collective_not_after(world1):
     """The delay sits inside the rank's compute, before the next collective: its peers would wait in
     that collective. The wait itself is not compute."""
     model = _tiny_gpt()
-    clock = CommClock.install()
-    clock.read()
+    clock = CommClock()
     device = VirtualDevice(SpeedProfile("static", speeds=(0.1,)), tp_rank=0, tp_size=1, rate_gflops=5)
     attach_virtual_device(model, device, clock)
     paid_at = []
     clock.before_collective.append(lambda: paid_at.append(device.charge_s))
-    try:
-        clock.open_region()
-        t0 = time.perf_counter()
-        model(torch.randint(0, 128, (2, 8)), torch.arange(8).expand(2, 8), None)
-        charged = device.charge_s
-        dist.all_reduce(torch.ones(1))  # the device pays here, before the collective runs
-        assert paid_at[0] > charged == 0.0  # nothing was paid until a collective came
-        assert time.perf_counter() - t0 >= paid_at[0]
-        clock.close_region()
-    finally:
-        clock.before_collective.clear()
-        clock.sync_host = False
+    with clock.installed():  # the collectives are timed (and paid before) within the block
+        try:
+            clock.open_region()
+            t0 = time.perf_counter()
+            model(torch.randint(0, 128, (2, 8)), torch.arange(8).expand(2, 8), None)
+            charged = device.charge_s
+            dist.all_reduce(torch.ones(1))  # the device pays here, before the collective runs
+            assert paid_at[0] > charged == 0.0  # nothing was paid until a collective came
+            assert time.perf_counter() - t0 >= paid_at[0]
+            clock.close_region()
+        finally:
+            clock.before_collective.clear()
+            clock.sync_host = False
     compute, wait, _ = clock.read()
     assert compute >= paid_at[0] and wait < compute
 

@@ -1,4 +1,4 @@
-"""Tests of megahet.platform: every CPU shim of apply_cpu_shims(), the CPU RNG tracker, and that
+"""Tests of megahet/compat/cpu_shims.py: every CPU shim of apply_cpu_shims(), the CPU RNG tracker, and that
 nothing is patched when CUDA is available.
 
 apply_cpu_shims() patches process-wide globals (torch.cuda, torch.Tensor, megatron-core and
@@ -30,7 +30,8 @@ from megatron.core.transformer import utils as transformer_utils
 from megatron.core.transformer.enums import AttnMaskType
 
 from megahet import platform
-from megahet.platform import CpuRNGStatesTracker, apply_cpu_shims
+from megahet.compat import cpu_shims
+from megahet.compat.cpu_shims import CpuRNGStatesTracker, apply_cpu_shims
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,7 +55,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU shims
 @pytest.fixture(scope="module")
 def shims():
     """apply_cpu_shims() for this module; restores the originals if this module applied them."""
-    fresh = not platform._APPLIED
+    fresh = not cpu_shims._APPLIED
     saved = [(obj, name, vars(obj).get(name, _MISSING)) for obj, name in _PATCHED]
     ops = deepspeed.ops.__compatible_ops__
     saved_shm = ops.get("deepspeed_shm_comm", _MISSING)
@@ -76,7 +77,16 @@ def shims():
         os.environ.pop("DS_ACCELERATOR", None)
     else:
         os.environ["DS_ACCELERATOR"] = saved_env
-    platform._APPLIED.clear()
+    cpu_shims._APPLIED.clear()
+
+
+def test_every_replaced_name_exists_in_the_installed_versions() -> None:
+    """A version bump that renames or removes what a shim replaces fails here, naming it."""
+    for obj, name in _PATCHED:
+        assert hasattr(obj, name), (
+            f"{getattr(obj, '__name__', obj)}.{name} no longer exists: its CPU shim is stale"
+        )
+    assert hasattr(deepspeed.ops, "__compatible_ops__"), "deepspeed.ops.__compatible_ops__ no longer exists"
 
 
 def test_apply_reports_every_shim_and_is_idempotent(shims: list[str]) -> None:
@@ -315,7 +325,8 @@ _CUDA_SCRIPT = textwrap.dedent(
     torch.cuda.is_available = lambda: True  # pretend: a GPU machine
     before = (torch.cuda.current_device, torch.cuda.synchronize, torch.Tensor.cuda)
     from megahet import platform
-    assert platform.apply_cpu_shims() == [], platform._APPLIED
+    from megahet.compat import cpu_shims
+    assert cpu_shims.apply_cpu_shims() == [], cpu_shims._APPLIED
     assert (torch.cuda.current_device, torch.cuda.synchronize, torch.Tensor.cuda) == before
     assert platform.distributed_backend() == "cuda:nccl,cpu:gloo"  # host-side metrics go by gloo
     # Nothing imported, so nothing in megatron-core or DeepSpeed can have been patched.

@@ -4,11 +4,14 @@ that a fast rank's waits for a slow peer are not its compute is in tests/distrib
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from megahet.runtime.timing import COLLECTIVES, CommClock, ComputeTimers, time_layers
+from megahet.compat.collectives import COLLECTIVES, WRAPPED
+from megahet.runtime.timing import CommClock, ComputeTimers, time_layers
 
 
 class FakeStamps:
@@ -96,24 +99,33 @@ def test_before_collective_runs_inside_regions_only_and_at_region_end():
     assert calls == [True, True]  # before the collective, and what is owed at the region's end
 
 
-def test_install_wraps_torch_distributed_and_megatron_bound_names(world1):
+def test_installed_wraps_torch_distributed_and_megatron_bound_names_within_the_block_only(world1):
     from megatron.core.tensor_parallel import layers, mappings
 
-    clock = CommClock.install()
-    assert CommClock.install() is clock
-    for name in COLLECTIVES:
-        if hasattr(dist, name):
-            assert getattr(dist, name).__wrapped_by_megahet__, name
-    assert mappings.dist_all_gather_func.__wrapped_by_megahet__
-    assert mappings.dist_reduce_scatter_func.__wrapped_by_megahet__
-    assert layers.dist_all_gather_func.__wrapped_by_megahet__
-    # P2POp insists on the original isend / irecv: those stay unwrapped.
-    assert not hasattr(dist.isend, "__wrapped_by_megahet__")
+    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+    bound = (mappings.dist_all_gather_func, layers.dist_reduce_scatter_func)
+    assert not any(getattr(fn, WRAPPED, False) for fn in originals.values())  # constructing: no side effect
+    clock = CommClock()
+    with clock.installed():
+        for name in originals:
+            assert getattr(getattr(dist, name), WRAPPED, False), name
+        assert getattr(mappings.dist_all_gather_func, WRAPPED)
+        assert getattr(mappings.dist_reduce_scatter_func, WRAPPED)
+        assert getattr(layers.dist_all_gather_func, WRAPPED)
+        # P2POp insists on the original isend / irecv: those stay unwrapped.
+        assert not hasattr(dist.isend, WRAPPED)
+        with CommClock().installed():  # nested: the outer wrappers stay, the inner clock is active
+            assert dist.all_reduce is not originals["all_reduce"]
+        assert getattr(dist.all_reduce, WRAPPED)
+    assert {name: getattr(dist, name) for name in originals} == originals  # restored after the block
+    assert (mappings.dist_all_gather_func, layers.dist_reduce_scatter_func) == bound
 
 
 def test_real_collectives_in_a_region_are_timed_and_async_waits_too(world1):
-    clock = CommClock.install()
-    clock.read()
+    clock = CommClock()
+    stack = contextlib.ExitStack()
+    stack.enter_context(clock.installed())
+    stack.callback(clock.read)
     x = torch.ones(4)
     dist.all_reduce(x)  # outside a region: a plain result
     clock.open_region()
@@ -126,6 +138,7 @@ def test_real_collectives_in_a_region_are_timed_and_async_waits_too(world1):
     compute, wait, _ = clock.read()
     assert compute >= 0 and wait > 0
     assert len(clock._waits) == 0
+    stack.close()
 
 
 def test_compute_timers_accept_every_timer_name():

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from megatron.core import tensor_parallel
 
 from megahet.checkpointing.safe_load import load_file
-from megahet.compat.deepspeed_checkpoint import engine_loads_with
+from megahet.compat.deepspeed_checkpoint import engine_loads_with, model_states_file
 from megahet.config import ConfigError, MegahetConfig
 
 LATEST, META, TMP_PREFIX = "latest", "megahet.json", "tmp_"
@@ -64,11 +64,6 @@ class Resume:
 
 def tag_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
-
-
-def model_states_file(mp_rank: int) -> str:
-    """DeepSpeed's per TP x PP rank file (mp_rank = pp_rank * tp + tp_rank): module weights, client state."""
-    return f"mp_rank_{mp_rank:02d}_model_states.pt"
 
 
 def rank_file(rank: int) -> str:

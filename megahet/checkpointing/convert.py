@@ -31,7 +31,6 @@ import dataclasses
 import functools
 import json
 import re
-import tempfile
 import time
 from pathlib import Path
 
@@ -41,11 +40,10 @@ from megahet.checkpointing.checkpoint import (
     LATEST,
     META,
     TOKENIZER,
-    model_states_file,
     save_weights_only,
 )
 from megahet.checkpointing.safe_load import load_file
-from megahet.compat.deepspeed_checkpoint import zero_fp32_state_dict
+from megahet.compat.deepspeed_checkpoint import model_states_file, zero_fp32_masters, zero_shard_files
 from megahet.config import ConfigError, ModelConfig
 from megahet.models.gpt import padded_vocab_size
 from megahet.policy.stage_split import check_split
@@ -151,30 +149,15 @@ def _read_module(file: Path) -> dict:
     return dict(states["module"])  # tensors, and megatron-core's `_extra_state` entries (None)
 
 
-def zero_fp32_masters(folder: Path, mp_rank: int) -> dict[str, torch.Tensor]:
-    """The fp32 master weights of one model-parallel rank, merged from its ZeRO shards over DP by
-    DeepSpeed's own zero_to_fp32 (which reads model-parallel rank 00 only: it is shown this rank's
-    files under that name, through links in a temporary folder)."""
-    suffix = f"mp_rank_{mp_rank:02d}"
-    shards = sorted(folder.glob(f"*_{suffix}_optim_states.pt"))
-    if not shards:
-        raise ConfigError(
-            f"--load: {folder} has no ZeRO optimizer shards for {suffix}: cannot recover fp32 weights"
-        )
-    with tempfile.TemporaryDirectory() as tmp:
-        tag = Path(tmp) / "tag"
-        tag.mkdir()
-        (tag / model_states_file(0)).symlink_to(folder / model_states_file(mp_rank))
-        for shard_file in shards:
-            (tag / shard_file.name.replace(suffix, "mp_rank_00")).symlink_to(shard_file)
-        return zero_fp32_state_dict(Path(tmp), "tag", functools.partial(load_file, what="--load"))
-
-
 def _with_fp32_masters(module: dict, folder: Path, mp_rank: int) -> dict:
     """bf16 / fp16 training keeps the exact weights only as ZeRO's fp32 masters: use those."""
     if all(v.dtype == torch.float32 for v in module.values() if torch.is_tensor(v) and v.is_floating_point()):
         return module
-    masters = zero_fp32_masters(folder, mp_rank)
+    if not zero_shard_files(folder, mp_rank):
+        raise ConfigError(
+            f"--load: {folder} has no ZeRO optimizer shards for mp_rank_{mp_rank:02d}: cannot recover fp32 weights"
+        )
+    masters = zero_fp32_masters(folder, mp_rank, functools.partial(load_file, what="--load"))
     return {k: masters.get(k, v) if torch.is_tensor(v) else v for k, v in module.items()}
 
 

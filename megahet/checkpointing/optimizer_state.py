@@ -22,27 +22,29 @@ import torch
 
 from megahet.checkpointing.safe_load import load_file
 from megahet.compat import deepspeed_zero as zero
+from megahet.compat.deepspeed_checkpoint import (
+    model_states_file,
+    zero_dp_rank,
+    zero_file_kind,
+    zero_shard_files,
+)
 from megahet.config import ConfigError
 
 TENSOR_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 """Per-parameter tensors: the fp32 master weight and Adam's two moments."""
 
 
-def _dp_rank(file: Path) -> int:
-    return int(file.name.split("zero_pp_rank_")[1].split("_")[0])
-
-
 def zero_files(folder: Path, mp_rank: int) -> list[Path]:
     """This model-parallel rank's ZeRO shard files, in DP order (checked to be DP ranks 0..N-1 of one
     kind: bf16_ or not)."""
-    files = sorted(folder.glob(f"*zero_pp_rank_*_mp_rank_{mp_rank:02d}_optim_states.pt"), key=_dp_rank)
+    files = zero_shard_files(folder, mp_rank)
     if not files:
         raise ConfigError(
             f"train.load: {folder} has no ZeRO optimizer shards for mp_rank_{mp_rank:02d}: it cannot be "
             f"resharded with its optimizer state (a weights-only checkpoint restarts the optimizer)"
         )
-    kinds = {f.name.split("zero_pp_rank_")[0] for f in files}
-    ranks = [_dp_rank(f) for f in files]
+    kinds = {zero_file_kind(f) for f in files}
+    ranks = [zero_dp_rank(f) for f in files]
     if len(kinds) > 1 or ranks != list(range(len(files))):
         raise ConfigError(
             f"train.load: {folder}'s ZeRO shards of mp_rank_{mp_rank:02d} are not one set of DP ranks 0..N-1 "
@@ -55,8 +57,6 @@ def read_zero_state(folder: Path, mp_rank: int) -> dict:
     """{"fp32" | "exp_avg" | "exp_avg_sq": {name: full tensor}, "step": Adam's step, "lr": each param
     group's learning rate, "lr_scheduler" / "global_steps": the engine's} of one model-parallel rank,
     merged over its DP shards."""
-    from megahet.checkpointing.checkpoint import model_states_file
-
     model_states = load_file(folder / model_states_file(mp_rank))
     shapes = model_states["param_shapes"]
     shape_of = {name: shape for group in shapes for name, shape in group.items()}

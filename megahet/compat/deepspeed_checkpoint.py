@@ -6,7 +6,13 @@ DeepSpeed reads its files with `torch.load(..., weights_only=False)`: through th
 (`megahet/checkpointing/safe_load.py`: `weights_only=True` and an allow-list), for the length of one
 load only; nothing stays replaced.
 
+It also names DeepSpeed's checkpoint files (its layout, which megahet's resharding and conversion
+read directly): `mp_rank_MM_model_states.pt` per TP x PP rank and `[bf16_]zero_pp_rank_D_mp_rank_MM_
+optim_states.pt` per DP rank of it.
+
 Private API used (checked by tests/unit/test_compat.py):
+- the file names above, and the model states file's keys `module`, `param_shapes`, `lr_scheduler`
+  and `global_steps`;
 - `DeepSpeedEngine.checkpoint_engine.load(path, map_location)`;
 - `deepspeed.utils.zero_to_fp32` calling `torch.load` (module global `torch`);
 - the classes ZeRO-1/2 pickles into `*_optim_states.pt`: `LossScaler` / `DynamicLossScaler`,
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -29,6 +36,28 @@ SAVED_TYPES: tuple[type, ...] = (LossScaler, DynamicLossScaler, ZeroStageEnum, f
 """The classes DeepSpeed's ZeRO-1/2 optimizer pickles into its checkpoint files (plain data)."""
 
 Loader = Callable[..., object]  # (path, map_location=...) -> the file's object
+
+ZERO_MARK = "zero_pp_rank_"
+
+
+def model_states_file(mp_rank: int) -> str:
+    """DeepSpeed's per TP x PP rank file (mp_rank = pp_rank * tp + tp_rank): module weights, client state."""
+    return f"mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def zero_shard_files(folder: Path, mp_rank: int) -> list[Path]:
+    """The ZeRO optimizer files of one model-parallel rank in `folder` (any DP rank, any prefix), in DP order."""
+    return sorted(folder.glob(f"*{ZERO_MARK}*_mp_rank_{mp_rank:02d}_optim_states.pt"), key=zero_dp_rank)
+
+
+def zero_dp_rank(file: Path) -> int:
+    """The DP rank of a ZeRO optimizer file."""
+    return int(file.name.split(ZERO_MARK)[1].split("_")[0])
+
+
+def zero_file_kind(file: Path) -> str:
+    """A ZeRO optimizer file's prefix: "" (ZeRO-1/2) or "bf16_" (BF16_Optimizer)."""
+    return file.name.split(ZERO_MARK)[0]
 
 
 @contextlib.contextmanager
@@ -45,6 +74,20 @@ def engine_loads_with(engine, load: Loader) -> Iterator[None]:
         yield
     finally:
         ckpt_engine.load = original
+
+
+def zero_fp32_masters(folder: Path, mp_rank: int, load: Loader) -> dict[str, torch.Tensor]:
+    """The fp32 master weights of one model-parallel rank, merged from its ZeRO shards over DP by
+    DeepSpeed's own zero_to_fp32, which reads model-parallel rank 00 only: it is shown this rank's files
+    under that name, through links in a temporary folder. Its reads go through `load`."""
+    suffix = f"mp_rank_{mp_rank:02d}"
+    with tempfile.TemporaryDirectory() as tmp:
+        tag = Path(tmp) / "tag"
+        tag.mkdir()
+        (tag / model_states_file(0)).symlink_to(folder / model_states_file(mp_rank))
+        for shard_file in zero_shard_files(folder, mp_rank):
+            (tag / shard_file.name.replace(suffix, "mp_rank_00")).symlink_to(shard_file)
+        return zero_fp32_state_dict(Path(tmp), "tag", load)
 
 
 def zero_fp32_state_dict(folder: Path, tag: str, load: Loader) -> dict[str, torch.Tensor]:

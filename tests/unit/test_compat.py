@@ -139,10 +139,17 @@ def test_zero_optimizer_has_partitions_and_lazy_linking(zero_engine) -> None:
 
 def test_zero_file_layout_is_what_megahet_reads(zero_engine, tmp_path: Path) -> None:
     from megahet.checkpointing.safe_load import load_file
+    from megahet.compat import deepspeed_checkpoint as files
     from megahet.compat import deepspeed_zero as zero
 
     zero_engine.save_checkpoint(str(tmp_path), tag="t")
-    saved = load_file(next((tmp_path / "t").glob("*optim_states.pt")))
+    folder = tmp_path / "t"
+    model_states = load_file(folder / files.model_states_file(0))
+    keys = {"module", "param_shapes", "lr_scheduler", "global_steps"}
+    assert keys <= set(model_states), f"DeepSpeed's model states file lost {keys - set(model_states)}"
+    shards = files.zero_shard_files(folder, 0)
+    assert [(files.zero_dp_rank(f), files.zero_file_kind(f)) for f in shards] == [(0, "")], shards
+    saved = load_file(shards[0])
     partitions = zero.file_partitions(saved)
     assert len(partitions) == 2, "ZeRO file: one flat partition per parameter group expected"
     fp32, adam, mapping = partitions[0]

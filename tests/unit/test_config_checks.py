@@ -195,4 +195,3 @@ def test_unknown_architecture_values_are_config_errors() -> None:
     ]:
         with pytest.raises(ConfigError, match=key):
             _cfg(**{key: value})
-

@@ -34,13 +34,13 @@ from megahet.checkpointing.convert import (
     checkpoint_tokenizer,
     consolidate,
     merge_shards,
-    model_states_file,
     repad_vocab,
     reshard,
     resharded_vocab_rows,
     shard,
 )
 from megahet.checkpointing.hf_export import export_hf
+from megahet.compat.deepspeed_checkpoint import model_states_file
 from megahet.config import ConfigError, ModelConfig, load_config
 from megahet.data.tokenizer import SentencePieceTokenizer
 
@@ -659,7 +659,10 @@ def test_llama_export_matches_logits_and_greedy_generation(world1, spm_model, tm
 
     assert main(["export-hf", "--load", str(tmp_path / "ck"), "--out", str(tmp_path / "hf")]) == 0
     hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    assert (hf.config.num_key_value_heads, hf.config.tie_word_embeddings) == (2, "--model.untie" not in extra[0])
+    assert (hf.config.num_key_value_heads, hf.config.tie_word_embeddings) == (
+        2,
+        "--model.untie" not in extra[0],
+    )
     tokens = torch.randint(0, PIECES, (2, 32), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         diff = (hf(tokens).logits - logits_of(model, tokens)).abs().max().item()

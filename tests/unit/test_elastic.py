@@ -24,9 +24,10 @@ import pytest
 import torch
 from deepspeed.utils.tensor_fragment import fragment_address
 
-from megahet.checkpointing.checkpoint import MODEL_SETTINGS_FREE, Resume, check_model, model_states_file
+from megahet.checkpointing.checkpoint import MODEL_SETTINGS_FREE, Resume, check_model
 from megahet.checkpointing.elastic import fit_layout, needs_reshard, plan_resume
 from megahet.checkpointing.optimizer_state import read_zero_state, zero_files
+from megahet.compat.deepspeed_checkpoint import model_states_file
 from megahet.config import ConfigError, MegahetConfig, load_config
 from megahet.config_checks import validate
 

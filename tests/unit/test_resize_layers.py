@@ -407,7 +407,6 @@ def test_unsupported_configurations_fail_clearly(world1) -> None:
     row.input_is_parallel = True
 
 
-
 @pytest.mark.parametrize("dim", [0, 1])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_gather_units_gradient_equals_index_selects(dim: int, dtype: torch.dtype) -> None:

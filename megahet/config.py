@@ -30,8 +30,23 @@ class ConfigError(ValueError):
     """A bad configuration value; the message names the key and the fix."""
 
 
+class _Section:
+    """A configuration section that refuses assignments once its configuration is frozen (after
+    validation: megahet/run_plan.py). What set-up decides lives in the run plan, not in the config."""
+
+    _frozen = False
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._frozen:
+            raise AttributeError(
+                f"the configuration is frozen after validation: {type(self).__name__}.{name} cannot change "
+                f"(set-up's decisions live in the run plan, megahet/run_plan.py)"
+            )
+        object.__setattr__(self, name, value)
+
+
 @dataclasses.dataclass(kw_only=True)
-class ModelConfig:
+class ModelConfig(_Section):
     num_layers: int = 4
     """Transformer layers (split over pipeline stages evenly, or as parallel.stage_layers says)."""
     hidden_size: int = 128
@@ -84,7 +99,7 @@ class ModelConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
-class ParallelConfig:
+class ParallelConfig(_Section):
     tp: int = 1
     """Tensor-parallel size: ranks that split every layer's matmuls."""
     pp: int = 1
@@ -98,7 +113,7 @@ class ParallelConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
-class TrainConfig:
+class TrainConfig(_Section):
     micro_batch_size: int = 4
     """Samples per micro-batch per data-parallel rank."""
     global_batch_size: int = 16
@@ -138,7 +153,7 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
-class DataConfig:
+class DataConfig(_Section):
     data_dir: str | None = None
     """GPT: where the shipped corpus, tokenizer and indexed dataset are prepared when missing;
     default $MEGAHET_DATA_DIR/gpt (~/.cache/megahet/gpt)."""
@@ -175,7 +190,7 @@ class DataConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
-class LoggingConfig:
+class LoggingConfig(_Section):
     wandb: bool = True
     wandb_project: str = "megahet"
     wandb_run_name: str | None = None
@@ -188,7 +203,7 @@ class LoggingConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
-class ResizeConfig:
+class ResizeConfig(_Section):
     """ZERO-resizing: slow ranks drop a fraction gamma of their work units (see README)."""
 
     enabled: bool = False
@@ -231,7 +246,7 @@ class ResizeConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
-class DeviceConfig:
+class DeviceConfig(_Section):
     """Virtual heterogeneous devices (emulated speeds; see megahet/runtime/devices.py)."""
 
     profile: str | None = None
@@ -243,7 +258,7 @@ class DeviceConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
-class BalanceConfig:
+class BalanceConfig(_Section):
     """The automatic balancer (see megahet/runtime/balancer.py and megahet/policy/planner.py)."""
 
     mode: Literal["static", "resize", "migrate", "semi"] = "static"
@@ -286,7 +301,7 @@ class BalanceConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
-class HeteroConfig:
+class HeteroConfig(_Section):
     """Heterogeneous data parallelism: replicas get shares of every global batch by speed
     (docs/balancer.md; megahet/runtime/dp_balancer.py and megahet/policy/dp_shares.py)."""
 
@@ -326,7 +341,7 @@ class HeteroConfig:
 
 
 @dataclasses.dataclass(kw_only=True)
-class MegahetConfig:
+class MegahetConfig(_Section):
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
@@ -339,6 +354,17 @@ class MegahetConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def freeze(self) -> MegahetConfig:
+        """Refuse every later assignment to this configuration and its sections; returns it."""
+        for f in dataclasses.fields(self):
+            object.__setattr__(getattr(self, f.name), "_frozen", True)
+        object.__setattr__(self, "_frozen", True)
+        return self
+
+    @property
+    def frozen(self) -> bool:
+        return self._frozen
 
 
 _SECTIONS = {f.name: f.type for f in dataclasses.fields(MegahetConfig)}

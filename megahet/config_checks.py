@@ -12,6 +12,7 @@ import os
 
 from megahet.config import ConfigError, MegahetConfig
 from megahet.parallel import check_world_size
+from megahet.policy.stage_split import StageSplit, best_split, parse_stage_layers
 
 
 def _require(condition: bool, message: str) -> None:
@@ -214,10 +215,10 @@ def _validate_architecture(cfg: MegahetConfig) -> None:
         )
 
 
-def stage_split(cfg: MegahetConfig) -> tuple[int, ...]:
-    """The run's layers per pipeline stage: parallel.stage_layers, else the even split (as even as whole
-    layers allow when the split is planned: hetero.pp_split)."""
-    from megahet.policy.stage_split import best_split, parse_stage_layers
+def stage_split(cfg: MegahetConfig) -> StageSplit:
+    """The layers per pipeline stage the configuration gives: parallel.stage_layers, else the even split
+    (as even as whole layers allow when the split is planned: hetero.pp_split). The run's own split,
+    which set-up may plan otherwise, is the run plan's (megahet/run_plan.py)."""
 
     m, p = cfg.model, cfg.parallel
     if p.stage_layers:

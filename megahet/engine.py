@@ -14,6 +14,7 @@ per-backward reduce-scatters (ZeRO-2), clips, and steps AdamW.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from typing import Any
 
@@ -29,21 +30,28 @@ from megahet.platform import cuda_available
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
-def fold_deepspeed_json(cfg: MegahetConfig) -> dict[str, Any]:
-    """Read --deepspeed_config (if any) and carry the settings that shape the model into cfg."""
+def fold_deepspeed_json(cfg: MegahetConfig) -> tuple[MegahetConfig, dict[str, Any]]:
+    """Read --deepspeed_config (if any): (cfg with the settings that shape the model carried over from
+    it, the user's DeepSpeed dict). cfg itself is left as it is."""
     if not cfg.train.deepspeed_config:
-        return {}
+        return cfg, {}
     user = load_deepspeed_json(cfg.train.deepspeed_config)
-    stage = user.get("zero_optimization", {}).get("stage")
-    if stage is not None:
-        cfg.parallel.zero_stage = int(stage)
-    if user.get("bf16", {}).get("enabled"):
-        cfg.train.precision = "bf16"
     if user.get("fp16", {}).get("enabled"):
         raise ConfigError("fp16 is not supported (no loss scaling in megahet): use bf16 or fp32")
+    parallel, train = {}, {}
+    stage = user.get("zero_optimization", {}).get("stage")
+    if stage is not None:
+        parallel["zero_stage"] = int(stage)
+    if user.get("bf16", {}).get("enabled"):
+        train["precision"] = "bf16"
     if "gradient_clipping" in user:
-        cfg.train.clip_grad = float(user["gradient_clipping"])
-    return user
+        train["clip_grad"] = float(user["gradient_clipping"])
+    folded = dataclasses.replace(
+        cfg,
+        parallel=dataclasses.replace(cfg.parallel, **parallel),
+        train=dataclasses.replace(cfg.train, **train),
+    )
+    return folded, user
 
 
 def deepspeed_config(cfg: MegahetConfig, dp_size: int, user: dict[str, Any]) -> dict[str, Any]:

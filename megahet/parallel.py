@@ -42,6 +42,9 @@ class ParallelLayout:
     pp_size: int
     dp_rank: int
     dp_size: int
+    stage_layers: tuple[int, ...] | None = None
+    """Layers per pipeline stage of the run (its plan's split, megahet/run_plan.py); None: as the
+    configuration gives them (parallel.stage_layers, or even)."""
 
     @property
     def is_first_stage(self) -> bool:

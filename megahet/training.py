@@ -27,18 +27,17 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megahet.checkpointing import checkpoint
-from megahet.checkpointing.elastic import plan_resume, reshard_checkpoint
+from megahet.checkpointing.elastic import reshard_checkpoint
 from megahet.config import ConfigError, HelpRequested, MegahetConfig, config_help, load_config
-from megahet.config_checks import validate
-from megahet.engine import build_engine, fold_deepspeed_json
+from megahet.engine import build_engine
 from megahet.failures import first_local_rank, is_peer_loss, lost_peer_message, record_peers
 from megahet.logging import TrainingLogger
 from megahet.parallel import ParallelLayout, destroy_parallel, initialize_parallel
 from megahet.platform import cuda_available
 from megahet.policy.dp_shares import even_shares, replica_loss_scale
+from megahet.run_plan import RunPlan, plan_run
 from megahet.runtime.hetero_setup import start_heterogeneous, start_pipeline
 from megahet.runtime.hooks import StepHook
-from megahet.runtime.stage_plan import start_split
 from megahet.runtime.timing import CommClock, ComputeTimers, StepTimes, time_layers
 
 ForwardStep = Callable[[Iterator[dict], torch.nn.Module], tuple[torch.Tensor, Callable]]
@@ -161,8 +160,8 @@ class Trainer:
         and `pretrain()` re-splits (megahet/runtime/resplit.py)."""
         self.last_saved = -1
         """The step of this trainer's last checkpoint in train.save."""
-        self.user_ds: dict[str, Any] = {}
-        """The user's DeepSpeed JSON (train.deepspeed_config), for a rebuild."""
+        self.plan = None
+        """The run plan this Trainer executes (megahet/run_plan.py: set by build_trainer)."""
 
     def request_split(self, split: tuple[int, ...]) -> None:
         """Stop training after this step so that the stages are re-split to `split` (every rank asks for
@@ -385,59 +384,45 @@ def as_floats(record: dict) -> dict:
 
 
 def setup(cfg: MegahetConfig, spec: TaskSpec, extra_hooks: Sequence[StepHook] = ()) -> Trainer:
-    """Check everything, start the process groups, prepare data, build the task, engine and logger.
-    `extra_hooks`: the caller's own step hooks, run after megahet's (and again after a re-split)."""
-    user_ds = fold_deepspeed_json(cfg)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    resume = checkpoint.find_resume(cfg)
-    if resume is not None:
-        checkpoint.check_model(resume, cfg, spec.vocab_size(cfg))
-    if cfg.hetero.pp_active:  # the layers per stage (hetero.pp_split) count the vocabulary: inputs first
-        validate(cfg, world)
-        spec.preflight(cfg)
-        cfg = start_split(cfg, world, spec.vocab_size(cfg), resume)
-    cfg, layout_note, reshard = plan_resume(cfg, resume, world)  # TP x PP fitted to this world
-    dp_size = validate(cfg, world)
+    """Plan the run (every check, before any rank starts work: megahet/run_plan.py), start the process
+    groups, prepare data, build the task, engine and logger. `extra_hooks`: the caller's own step hooks,
+    run after megahet's (and again after a re-split)."""
+    plan = plan_run(cfg, spec)
+    cfg = plan.cfg
     if cfg.train.precision == "bf16" and cuda_available() and not torch.cuda.is_bf16_supported():
         raise ConfigError("train.precision=bf16 is not supported by this GPU: use train.precision=fp32")
-    spec.preflight(cfg)
-    if resume is not None:
-        if not reshard:
-            checkpoint.check_compatible(resume, cfg, dp_size)
-        for note in (resume.note, layout_note):
-            if note and int(os.environ.get("RANK", "0")) == 0:  # once, before any rank starts work
-                print(f"megahet: {note}", flush=True)
-    layout = initialize_parallel(
-        cfg.parallel.tp, cfg.parallel.pp, cfg.train.seed, cfg.parallel.distributed_timeout_minutes
-    )
+    if int(os.environ.get("RANK", "0")) == 0:  # once, before any rank starts work
+        for note in plan.notes:
+            print(f"megahet: {note}", flush=True)
+    layout = initialize_parallel(plan.tp, plan.pp, cfg.train.seed, cfg.parallel.distributed_timeout_minutes)
     record_peers()
-    if reshard:
-        resume = reshard_checkpoint(cfg, resume, layout.rank)
+    resume = plan.resume
+    if plan.reshard:
+        resume = reshard_checkpoint(cfg, resume, layout.rank, plan.split)
     if layout.rank == 0:
         spec.prepare(cfg)
     dist.barrier()
-    return build_trainer(cfg, spec, layout, user_ds, resume, extra_hooks=extra_hooks)
+    return build_trainer(plan, spec, layout, resume, extra_hooks=extra_hooks)
 
 
 def build_trainer(
-    cfg: MegahetConfig,
+    plan: RunPlan,
     spec: TaskSpec,
     layout: ParallelLayout,
-    user_ds: dict[str, Any],
     resume: checkpoint.Resume | None,
     logger: TrainingLogger | None = None,
     resplits: int = 0,
     extra_hooks: Sequence[StepHook] = (),
 ) -> Trainer:
-    """Build the task, engine, logger and step hooks on the started process groups and load `resume`
-    (setup(); a re-split builds again with the new layers per stage, the same logger, its count of
-    re-splits and the caller's `extra_hooks`, which run after megahet's)."""
+    """Build the task, engine, logger and step hooks of `plan` on the started process groups and load
+    `resume` (setup(); a re-split builds again with the new plan's layers per stage, the same logger, its
+    count of re-splits and the caller's `extra_hooks`, which run after megahet's)."""
+    cfg = plan.cfg
+    layout = dataclasses.replace(layout, stage_layers=plan.split)
     task = spec.build(cfg, layout)
-    engine = build_engine(cfg, task.model, layout.dp_size, user_ds)
+    engine = build_engine(cfg, task.model, layout.dp_size, dict(plan.user_ds))
     logger = logger or TrainingLogger(cfg, layout, run_name=spec.name)
-    split = (
-        f" (layers {cfg.parallel.stage_layers})" if cfg.parallel.stage_layers and layout.pp_size > 1 else ""
-    )
+    split = f" (layers {plan.split})" if plan.split.uneven else ""
     logger.print(
         f"megahet {spec.name}: world {layout.world_size} = TP {layout.tp_size} x PP {layout.pp_size}{split} x "
         f"DP {layout.dp_size}, ZeRO-{cfg.parallel.zero_stage}, {cfg.train.precision}, "
@@ -464,9 +449,9 @@ def build_trainer(
         device = VirtualDevice(profile, index, width, cfg.device.rate_gflops)
         hooks.append(DeviceStepHook(device))
     trainer = Trainer(cfg, task, engine, layout, logger, hooks)
+    trainer.plan = plan
     if cfg.device.profile:  # it pays before each collective the trainer's clock times
         attach_virtual_device(task.model, device, trainer.clock)
-    trainer.user_ds = user_ds
     pipeline = cfg.hetero.pp_active and layout.pp_size > 1
     if cfg.balance.active or pipeline:  # the balancers read the transformer layers' own compute
         time_layers(task.model, trainer.clock)
@@ -476,13 +461,13 @@ def build_trainer(
         # First: it plans at the start of a step, before the ResizeController executes the plan.
         balancer = BalanceController(cfg, layout, resizer, lambda: trainer.times, lambda: trainer.step_t0)
         trainer.step_hooks.insert(0, balancer)
-    coords = start_heterogeneous(cfg, trainer, balancer if cfg.balance.active else None)
+    coords = start_heterogeneous(plan, trainer, balancer if cfg.balance.active else None)
     if task.packed:  # packed documents: the cost model's profile and refits
         from megahet.runtime.packing import PackingController
 
         trainer.step_hooks.append(PackingController(cfg, trainer, layout))
     if pipeline:
-        start_pipeline(cfg, trainer, coords, resplits)
+        start_pipeline(plan, trainer, coords, resplits)
     trainer.extra_hooks = tuple(extra_hooks)
     trainer.step_hooks.extend(extra_hooks)
     if resume is not None:
@@ -500,10 +485,10 @@ def train_to_end(trainer: Trainer, spec: TaskSpec) -> tuple[Trainer, list[dict[s
     megahet/runtime/resplit.py) and go on. Returns the last Trainer and the per-step records."""
     from megahet.runtime.resplit import resplit
 
-    logger, layout, user_ds, extra = trainer.logger, trainer.layout, trainer.user_ds, trainer.extra_hooks
+    logger, layout, extra = trainer.logger, trainer.layout, trainer.extra_hooks
 
-    def rebuild(new_cfg: MegahetConfig, resume: checkpoint.Resume, resplits: int) -> Trainer:
-        return build_trainer(new_cfg, spec, layout, user_ds, resume, logger, resplits, extra)
+    def rebuild(plan: RunPlan, resume: checkpoint.Resume, resplits: int) -> Trainer:
+        return build_trainer(plan, spec, layout, resume, logger, resplits, extra)
 
     history = trainer.train()
     while trainer.pending_split is not None and trainer.iteration < trainer.cfg.train.train_iters:

@@ -28,6 +28,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,7 @@ from megatron.core import tensor_parallel
 from megahet.checkpointing.safe_load import load_file
 from megahet.compat.deepspeed_checkpoint import engine_loads_with, model_states_file
 from megahet.config import ConfigError, MegahetConfig
+from megahet.config_checks import stage_split
 
 LATEST, META, TMP_PREFIX = "latest", "megahet.json", "tmp_"
 FORMAT_VERSION = 1
@@ -84,6 +86,12 @@ def find_resume(cfg: MegahetConfig) -> Resume | None:
         return None
     root = Path(load).expanduser()
     fresh_ok = cfg.train.save is not None and Path(cfg.train.save).expanduser().resolve() == root.resolve()
+    return find_resume_in(root, fresh_ok=fresh_ok)
+
+
+def find_resume_in(root: Path, fresh_ok: bool = False) -> Resume | None:
+    """The checkpoint `root`'s `latest` names, as find_resume (fresh_ok: an empty folder means None)."""
+    load = str(root)
     latest = root / LATEST
     named = root / latest.read_text().strip() if latest.is_file() else None
     complete = _checkpoints(root) if root.is_dir() else []
@@ -181,13 +189,12 @@ def per_parameter(resume: Resume) -> bool:
     return resume.meta.get("optimizer") == "per_parameter"
 
 
-def layout_of(cfg: MegahetConfig, dp: int) -> dict:
+def layout_of(cfg: MegahetConfig, dp: int, split: Sequence[int] | None = None) -> dict:
     """The sharding a checkpoint records: TP x PP x DP, the ZeRO stage, and the layers per stage when
-    they are uneven (parallel.stage_layers)."""
-    from megahet.config_checks import stage_split
-
+    they are uneven (`split`: the run's, default parallel.stage_layers or even)."""
     p = cfg.parallel
-    return {"tp": p.tp, "pp": p.pp, "dp": dp, "zero_stage": p.zero_stage, **_split_entry(stage_split(cfg))}
+    split = stage_split(cfg) if split is None else split
+    return {"tp": p.tp, "pp": p.pp, "dp": dp, "zero_stage": p.zero_stage, **_split_entry(split)}
 
 
 def _split_entry(split) -> dict:
@@ -200,11 +207,11 @@ def describe_layout(layout: dict) -> str:
     return f"TP {layout['tp']} x PP {layout['pp']}{split}"
 
 
-def check_compatible(resume: Resume, cfg: MegahetConfig, dp: int) -> None:
-    """The checkpoint's sharding must be this run's: DeepSpeed's files are per TP x PP x DP rank.
-    A weights-only checkpoint has no optimizer shards, and a resharded one keeps its optimizer state
-    per parameter: for those only TP x PP must match."""
-    saved, now = resume.meta["layout"], layout_of(cfg, dp)
+def check_compatible(resume: Resume, cfg: MegahetConfig, dp: int, split: Sequence[int] | None = None) -> None:
+    """The checkpoint's sharding must be this run's (`split`: its layers per stage, default from cfg):
+    DeepSpeed's files are per TP x PP x DP rank. A weights-only checkpoint has no optimizer shards, and
+    a resharded one keeps its optimizer state per parameter: for those only TP x PP must match."""
+    saved, now = resume.meta["layout"], layout_of(cfg, dp, split)
     split = f" --stage-layers {','.join(map(str, now['stage_layers']))}" if "stage_layers" in now else ""
     reshard = f"reshard it with tools/convert_checkpoint.py reshard --tp {now['tp']} --pp {now['pp']}{split}"
     model_parallel = ("tp", "pp", "stage_layers")
@@ -345,12 +352,12 @@ def _copy_tokenizer(task, folder: Path) -> None:
         shutil.copyfile(Path(source).expanduser(), folder / TOKENIZER)
 
 
-def save(trainer) -> tuple[Path, float]:
-    """Save the trainer's state into train.save (all ranks call it); returns (folder, seconds).
-    Rank 0 adds the task's tokenizer model (tokenizer.model) and megahet.json, then publishes."""
+def save(trainer, root: Path | None = None) -> tuple[Path, float]:
+    """Save the trainer's state into `root` (default train.save; all ranks call it); returns (folder,
+    seconds). Rank 0 adds the task's tokenizer model (tokenizer.model) and megahet.json, then publishes."""
     cfg, engine, layout = trainer.cfg, trainer.engine, trainer.layout
     t0 = time.perf_counter()
-    root = Path(cfg.train.save).expanduser()
+    root = Path(cfg.train.save).expanduser() if root is None else root
     tmp_tag = TMP_PREFIX + tag_name(trainer.iteration)
     tmp = root / tmp_tag
     if layout.rank == 0:
@@ -375,7 +382,7 @@ def save(trainer) -> tuple[Path, float]:
             "format": FORMAT_VERSION,
             "iteration": trainer.iteration,
             "consumed_samples": consumed,
-            "layout": layout_of(cfg, layout.dp_size),
+            "layout": layout_of(cfg, layout.dp_size, layout.stage_layers),
             "world_size": layout.world_size,
             "model": dataclasses.asdict(cfg.model),
         }

@@ -23,30 +23,34 @@ speed samples and plan) belong to the old layout and start fresh.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch.distributed as dist
 
-from megahet.checkpointing.checkpoint import Resume, describe_layout, find_resume, layout_of, per_parameter
+from megahet.checkpointing.checkpoint import Resume, describe_layout, find_resume_in, layout_of, per_parameter
 from megahet.config import ConfigError, MegahetConfig
 from megahet.config_checks import validate
 
 
-def needs_reshard(resume: Resume | None, cfg: MegahetConfig, world: int) -> bool:
-    """A full checkpoint whose TP x PP x DP x ZeRO layout is not the one `cfg` runs at this world size
-    (weights-only checkpoints load at any DP, with their own TP x PP; resharded ones at any DP)."""
+def needs_reshard(resume: Resume | None, cfg: MegahetConfig, world: int, split: Sequence[int] | None = None) -> bool:
+    """A full checkpoint whose TP x PP x DP x ZeRO layout (with `split`, the run's layers per stage,
+    default from cfg) is not the one `cfg` runs at this world size (weights-only checkpoints load at
+    any DP, with their own TP x PP; resharded ones at any DP)."""
     if resume is None or resume.meta.get("weights_only"):
         return False
     saved, p = resume.meta["layout"], cfg.parallel
     if per_parameter(resume):
-        now = layout_of(cfg, 1)
+        now = layout_of(cfg, 1, split)
         return any(saved.get(k) != now.get(k) for k in ("tp", "pp", "stage_layers"))
     fits = world % (p.tp * p.pp) == 0
-    return not fits or saved != layout_of(cfg, world // (p.tp * p.pp))
+    return not fits or saved != layout_of(cfg, world // (p.tp * p.pp), split)
 
 
-def _with_layout(cfg: MegahetConfig, tp: int, pp: int) -> MegahetConfig:
+def with_layout(cfg: MegahetConfig, tp: int, pp: int) -> MegahetConfig:
     """cfg at TP x PP; its layers per stage (parallel.stage_layers) only at its own PP (else even)."""
+    if (tp, pp) == (cfg.parallel.tp, cfg.parallel.pp):
+        return cfg
     split = cfg.parallel.stage_layers if pp == cfg.parallel.pp else None
     return dataclasses.replace(
         cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp, pp=pp, stage_layers=split)
@@ -55,7 +59,7 @@ def _with_layout(cfg: MegahetConfig, tp: int, pp: int) -> MegahetConfig:
 
 def _fits(cfg: MegahetConfig, tp: int, pp: int, world: int) -> bool:
     try:
-        validate(_with_layout(cfg, tp, pp), world)
+        validate(with_layout(cfg, tp, pp), world)
     except ConfigError:
         return False
     return True
@@ -74,50 +78,46 @@ def fit_layout(cfg: MegahetConfig, world: int) -> tuple[int, int]:
         if _fits(cfg, tp, pp, world)
     ]
     if not candidates:
-        validate(_with_layout(cfg, 1, 1), world)  # raises the error that no layout can avoid
+        validate(with_layout(cfg, 1, 1), world)  # raises the error that no layout can avoid
         raise AssertionError("unreachable: TP 1 x PP 1 is a candidate")
     _, tp, pp = max(candidates)
     return tp, pp
 
 
-def plan_resume(
-    cfg: MegahetConfig, resume: Resume | None, world: int
-) -> tuple[MegahetConfig, str | None, bool]:
-    """(the configuration to run, a line saying what happens or None, whether to reshard). A full or
-    resharded checkpoint resumes at the run's TP x PP fitted to the world; it is resharded when its
-    layout is not that one (a checkpoint already resharded for this world is not resharded again)."""
-    if resume is None or resume.meta.get("weights_only"):
-        return cfg, None, False
-    tp, pp = fit_layout(cfg, world)
-    fitted, dp = _with_layout(cfg, tp, pp), world // (tp * pp)
-    reshard = needs_reshard(resume, fitted, world)
-    own = (tp, pp) == (cfg.parallel.tp, cfg.parallel.pp)
+def layout_note(resume: Resume, asked: MegahetConfig, fitted: MegahetConfig, world: int, reshard: bool) -> str | None:
+    """The line that says how a checkpoint resumes at `fitted` (the run's TP x PP fitted to the world,
+    asked for as `asked`), or None when it resumes as saved at the layout asked for."""
+    if resume.meta.get("weights_only"):
+        return None
+    tp, pp = fitted.parallel.tp, fitted.parallel.pp
+    own = (tp, pp) == (asked.parallel.tp, asked.parallel.pp)
     if not reshard and own:
-        return cfg, None, False
+        return None
     saved = resume.meta["layout"]
     old = describe_layout(saved) + (f" x DP {saved['dp']}" if "dp" in saved else "")
-    why = "" if own else f" (TP {cfg.parallel.tp} x PP {cfg.parallel.pp} does not fit {world} ranks)"
+    why = "" if own else f" (TP {asked.parallel.tp} x PP {asked.parallel.pp} does not fit {world} ranks)"
     what = "resharding it with its optimizer state" if reshard else "as it was saved"
-    note = (
-        f"{resume.path} was saved at {old}; this world of {world} ranks runs TP {tp} x PP {pp} x DP {dp}"
-        f"{why}: {what}"
+    return (
+        f"{resume.path} was saved at {old}; this world of {world} ranks runs TP {tp} x PP {pp} x DP "
+        f"{world // (tp * pp)}{why}: {what}"
     )
-    return fitted, note, reshard
 
 
-def reshard_checkpoint(cfg: MegahetConfig, resume: Resume, rank: int) -> Resume:
-    """Rank 0 writes the resharded checkpoint for cfg's TP x PP; every rank returns it (all ranks call
-    this after the process groups start)."""
+def reshard_checkpoint(
+    cfg: MegahetConfig, resume: Resume, rank: int, split: Sequence[int], root: Path | None = None
+) -> Resume:
+    """Rank 0 writes the resharded checkpoint for cfg's TP x PP and `split` into `root` (default
+    train.save, else train.load's folder); every rank returns it (all ranks call this after the process
+    groups start)."""
     from megahet.checkpointing.convert import reshard_into
-    from megahet.config_checks import stage_split
 
     p = cfg.parallel
     written = [None]
     if rank == 0:
-        root = Path(cfg.train.save or cfg.train.load).expanduser()
+        root = root if root is not None else Path(cfg.train.save or cfg.train.load).expanduser()
         try:
             folder, _, seconds = reshard_into(
-                resume.path, resume.meta, root, p.tp, p.pp, optimizer=True, stage_layers=stage_split(cfg)
+                resume.path, resume.meta, root, p.tp, p.pp, optimizer=True, stage_layers=split
             )
             written = [(str(folder), seconds, None)]
         except ConfigError as err:
@@ -128,9 +128,7 @@ def reshard_checkpoint(cfg: MegahetConfig, resume: Resume, rank: int) -> Resume:
         raise ConfigError(error)
     if rank == 0:
         print(f"megahet: resharded {resume.path} into {folder} in {seconds:.2f} s", flush=True)
-    found = find_resume(
-        dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, load=str(Path(folder).parent)))
-    )
+    found = find_resume_in(Path(folder).parent)
     if found is None or found.path != Path(folder):
         raise ConfigError(f"train.load: the resharded checkpoint {folder} is not the latest of its folder")
     return found

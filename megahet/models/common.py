@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -39,9 +40,10 @@ def has_fused_softmax_kernel() -> bool:
         return False
 
 
-def transformer_config(cfg: MegahetConfig) -> TransformerConfig:
+def transformer_config(cfg: MegahetConfig, split: Sequence[int] | None = None) -> TransformerConfig:
     """megatron-core's TransformerConfig for this run: fused CUDA kernels only where CUDA exists, and
-    uneven pipeline stages (parallel.stage_layers) as a `pipeline_model_parallel_layout`.
+    uneven pipeline stages (`split`: the run's layers per stage, default parallel.stage_layers or even)
+    as a `pipeline_model_parallel_layout`.
 
     GPT-2's tanh GELU on both paths: on CUDA, megatron-core fuses bias + GELU only for `F.gelu`, and
     its fused kernel (`fusions/fused_bias_gelu.bias_gelu`) *is* the tanh approximation; without
@@ -49,7 +51,7 @@ def transformer_config(cfg: MegahetConfig) -> TransformerConfig:
     without linear biases (model.add_bias_linear false) has no bias to fuse: it names the tanh GELU too.
     """
     m, p = cfg.model, cfg.parallel
-    split = stage_split(cfg)
+    split = stage_split(cfg) if split is None else split
     dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
     fused = cuda_available()
     swiglu = m.activation == "swiglu"

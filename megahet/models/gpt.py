@@ -8,6 +8,8 @@ model = build_gpt(cfg, vocab_size=8192)    # this rank's pipeline stage, after i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -22,11 +24,16 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def build_gpt(cfg: MegahetConfig, vocab_size: int, layer_spec: ModuleSpec | None = None) -> GPTModel:
+def build_gpt(
+    cfg: MegahetConfig,
+    vocab_size: int,
+    layer_spec: ModuleSpec | None = None,
+    split: Sequence[int] | None = None,
+) -> GPTModel:
     """The GPT stage of this rank (pre/post-process from its pipeline position)."""
     m = cfg.model
     return GPTModel(
-        config=transformer_config(cfg),
+        config=transformer_config(cfg, split),
         transformer_layer_spec=layer_spec or default_layer_spec(cfg),
         vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, cfg.parallel.tp),
         max_sequence_length=m.seq_length,

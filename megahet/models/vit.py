@@ -12,6 +12,8 @@ convention: `pre_process` owns the embedding, `post_process` the head.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.transformer import TransformerConfig
@@ -77,10 +79,12 @@ class ViTClassifier(MegatronModule):
         return self.head(hidden[0])  # [CLS] token -> (b, num_classes)
 
 
-def build_vit(cfg: MegahetConfig, layer_spec: ModuleSpec | None = None) -> ViTClassifier:
+def build_vit(
+    cfg: MegahetConfig, layer_spec: ModuleSpec | None = None, split: Sequence[int] | None = None
+) -> ViTClassifier:
     """The ViT stage of this rank (pre/post-process from its pipeline position)."""
     return ViTClassifier(
-        transformer_config(cfg),
+        transformer_config(cfg, split),
         cfg.model,
         layer_spec or default_layer_spec(cfg, AttnMaskType.no_mask),
         pre_process=ps.is_pipeline_first_stage(),

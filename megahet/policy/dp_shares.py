@@ -22,9 +22,29 @@ n_r, and data parallelism averages over D replicas; scaling replica r's loss by 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 RankCoords = tuple[int, int, int]  # (dp rank, pp rank, tp rank)
+
+
+class DataParallelShares(tuple):
+    """Micro-batches of every global batch per data-parallel replica: a tuple of ints >= 0, e.g.
+    DataParallelShares((6, 2)) (what the planner returns and the run plan and the Trainer hold; a type
+    beside the TP plan, megahet/tensor_parallel/plan.py). A replica with 0 runs an empty, masked
+    micro-batch (packed documents only)."""
+
+    def __new__(cls, counts: Iterable[int]) -> DataParallelShares:  # noqa: PYI034 (Python 3.10: no typing.Self)
+        shares = super().__new__(cls, (int(n) for n in counts))
+        if not shares or min(shares) < 0:
+            raise ValueError(f"data-parallel shares are counts >= 0, one per replica, got {list(shares)}")
+        return shares
+
+    def __str__(self) -> str:
+        return ",".join(map(str, self))
+
+    @property
+    def even(self) -> bool:
+        return len(set(self)) == 1
 
 
 def replica_speeds(rank_speeds: Mapping[RankCoords, float], tp_balanced: bool = True) -> list[float]:
@@ -47,11 +67,11 @@ def replica_speeds(rank_speeds: Mapping[RankCoords, float], tp_balanced: bool = 
     return [replicas[dp] for dp in range(len(replicas))]
 
 
-def even_shares(num_microbatches: int, dp_size: int) -> tuple[int, ...]:
+def even_shares(num_microbatches: int, dp_size: int) -> DataParallelShares:
     """M / D micro-batches each (M must be a multiple of D, as in an even run)."""
     if num_microbatches % dp_size:
         raise ValueError(f"{num_microbatches} micro-batches do not split evenly over {dp_size} replicas")
-    return (num_microbatches // dp_size,) * dp_size
+    return DataParallelShares((num_microbatches // dp_size,) * dp_size)
 
 
 def dp_shares(
@@ -60,7 +80,7 @@ def dp_shares(
     current: Sequence[int] | None = None,
     hysteresis: float = 0.0,
     healthy_gap: float = 0.05,
-) -> tuple[int, ...]:
+) -> DataParallelShares:
     """Micro-batches per replica for replicas of these speeds.
 
     Even when every replica is within `healthy_gap` of the fastest (and M splits evenly), whatever the
@@ -80,8 +100,8 @@ def dp_shares(
         return even_shares(num_microbatches, d)
     new = _water_fill(speeds, num_microbatches)
     if current is not None and step_time(new, speeds) >= (1 - hysteresis) * step_time(current, speeds):
-        return tuple(current)
-    return new
+        return DataParallelShares(current)
+    return DataParallelShares(new)
 
 
 def _water_fill(speeds: Sequence[float], total: int) -> tuple[int, ...]:

@@ -25,19 +25,41 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from megahet.policy.flops import output_layer_flops, transformer_layer_flops
 
 
-def parse_stage_layers(text: str, num_layers: int, pp: int) -> tuple[int, ...]:
+class StageSplit(tuple):
+    """Layers per pipeline stage: a tuple of positive ints, e.g. StageSplit((3, 5)) (what the planners
+    return and the run plan holds; a type beside the TP plan, megahet/tensor_parallel/plan.py)."""
+
+    def __new__(cls, layers: Iterable[int]) -> StageSplit:  # noqa: PYI034 (Python 3.10: no typing.Self)
+        split = super().__new__(cls, (int(n) for n in layers))
+        if not split or min(split) < 1:
+            raise ValueError(f"a stage split needs at least one layer per stage, got {list(split)}")
+        return split
+
+    def __str__(self) -> str:
+        return format_split(self)
+
+    def __repr__(self) -> str:
+        return f"StageSplit(({format_split(self)}))"
+
+    @property
+    def uneven(self) -> bool:
+        """Stages hold different numbers of layers (megatron-core then needs a layout)."""
+        return len(set(self)) > 1
+
+
+def parse_stage_layers(text: str, num_layers: int, pp: int) -> StageSplit:
     """'L0,L1,...' -> layers per stage, checked by `check_split`. Raises ValueError naming the fix."""
     try:
         split = tuple(int(part) for part in str(text).replace(" ", "").split(","))
     except ValueError:
         raise ValueError(f"{text!r} is not comma-separated layer counts, one per stage (e.g. 3,5)") from None
     check_split(split, num_layers, pp, shown=text)
-    return split
+    return StageSplit(split)
 
 
 def check_split(split: Sequence[int], num_layers: int, pp: int, shown: str | None = None) -> None:
@@ -56,11 +78,11 @@ def check_split(split: Sequence[int], num_layers: int, pp: int, shown: str | Non
         )
 
 
-def even_split(num_layers: int, pp: int) -> tuple[int, ...]:
+def even_split(num_layers: int, pp: int) -> StageSplit:
     """L / P layers per stage (as megatron-core splits without a layout; P must divide L)."""
     if num_layers % pp:
         raise ValueError(f"{num_layers} layers do not split evenly over {pp} stages")
-    return (num_layers // pp,) * pp
+    return StageSplit((num_layers // pp,) * pp)
 
 
 def format_split(split: Sequence[int]) -> str:
@@ -134,7 +156,7 @@ def best_split(
     extra_s: Sequence[float],
     num_layers: int,
     prefer: Sequence[int] | None = None,
-) -> tuple[int, ...]:
+) -> StageSplit:
     """The split minimizing the slowest stage's modeled time; among those, the one closest to `prefer`
     (default: the even split, rounded) in layers moved."""
     limit = best_time(layer_s, extra_s, num_layers)
@@ -153,7 +175,7 @@ def best_split(
     while sum(split) < num_layers:  # take on the stage whose time stays smallest
         s = min((s for s in range(pp) if split[s] < caps[s]), key=lambda s: times(s) + layer_s[s])
         split[s] += 1
-    return tuple(split)
+    return StageSplit(split)
 
 
 def next_split(
@@ -161,11 +183,11 @@ def next_split(
     layer_s: Sequence[float],
     extra_s: Sequence[float],
     hysteresis: float = 0.0,
-) -> tuple[int, ...]:
+) -> StageSplit:
     """The split to run next: the best one, unless it cuts the slowest stage's modeled time by no more
     than `hysteresis` (a fraction) against the current split, which is then kept (noise and ties move
     no layers back and forth)."""
-    current = tuple(current)
+    current = StageSplit(current)
     best = best_split(layer_s, extra_s, sum(current), prefer=current)
     now = max(split_times(current, layer_s, extra_s))
     then = max(split_times(best, layer_s, extra_s))

@@ -22,12 +22,11 @@ already use and test, for every ZeRO stage, TP degree and split, with nothing of
 touched; and a re-split is rare (hysteresis and `hetero.pp_patience`). It costs a save, one merge on
 rank 0 and a rebuild: it grows with the model (on rank 0's host memory), so it is logged (`resplit_s`).
 
-    trainer = resplit(trainer, rebuild)     # rebuild(cfg, resume, resplits) -> Trainer
+    trainer = resplit(trainer, rebuild)     # rebuild(plan, resume, resplits) -> Trainer
 """
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import shutil
 import time
@@ -41,7 +40,7 @@ from megahet.checkpointing import checkpoint
 from megahet.checkpointing.elastic import reshard_checkpoint
 from megahet.config import MegahetConfig
 from megahet.platform import cuda_available
-from megahet.policy.stage_split import format_split
+from megahet.run_plan import RunPlan
 
 RESPLIT_DIR = "resplit"
 
@@ -51,13 +50,6 @@ def resplit_root(cfg: MegahetConfig) -> Path:
     if cfg.train.save:
         return Path(cfg.train.save).expanduser()
     return Path(cfg.logging.log_dir).expanduser() / RESPLIT_DIR
-
-
-def _with(cfg: MegahetConfig, split: tuple[int, ...] | None = None, **train) -> MegahetConfig:
-    parallel = cfg.parallel
-    if split is not None:
-        parallel = dataclasses.replace(parallel, stage_layers=format_split(split))
-    return dataclasses.replace(cfg, parallel=parallel, train=dataclasses.replace(cfg.train, **train))
 
 
 def _free(trainer) -> None:
@@ -77,31 +69,27 @@ def _prune(root: Path, keep: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def resplit(trainer, rebuild: Callable[[MegahetConfig, checkpoint.Resume, int], object]):
+def resplit(trainer, rebuild: Callable[[RunPlan, checkpoint.Resume, int], object]):
     """Re-split `trainer`'s stages to `trainer.pending_split` (all ranks call it after the same step);
-    returns the Trainer for the new split, at the same step, to train on."""
-    from megahet.config_checks import stage_split
-
-    cfg, layout, logger, split = trainer.cfg, trainer.layout, trainer.logger, trainer.pending_split
-    old_split, step = stage_split(cfg), trainer.iteration
+    returns the Trainer for the new split (`rebuild`: from the new plan), at the same step, to train on."""
+    plan, layout, logger = trainer.plan, trainer.layout, trainer.logger
+    cfg, old_split, step = plan.cfg, plan.split, trainer.iteration
+    new_plan = plan.with_split(trainer.pending_split)
     t0 = time.perf_counter()
     root = resplit_root(cfg)
     if trainer.last_saved != step:
-        trainer.cfg = _with(cfg, save=str(root))
-        checkpoint.save(trainer)
-        trainer.cfg = cfg
+        checkpoint.save(trainer, root)
     t_saved = time.perf_counter()
     rng = checkpoint.rng_states()
     carried = {type(h).__name__: h.state_dict() for h in trainer.step_hooks if h.split_free}
     resplits = 1 + max((getattr(h, "resplits", 0) for h in trainer.step_hooks), default=0)
     for hook in trainer.step_hooks:
         hook.close(final=False)
-    new_cfg = _with(cfg, split, load=str(root))
-    resume = checkpoint.find_resume(new_cfg)  # the step just saved
+    resume = checkpoint.find_resume_in(root)  # the step just saved
     _free(trainer)
-    resume = reshard_checkpoint(new_cfg, resume, layout.rank)
+    resume = reshard_checkpoint(cfg, resume, layout.rank, new_plan.split, root)
     t_resharded = time.perf_counter()
-    new = rebuild(new_cfg, resume, resplits)
+    new = rebuild(new_plan, resume, resplits)
     checkpoint.set_rng_states(rng)
     for hook in new.step_hooks:
         if hook.split_free and type(hook).__name__ in carried:
@@ -117,7 +105,7 @@ def resplit(trainer, rebuild: Callable[[MegahetConfig, checkpoint.Resume, int], 
         "resplit_build_s": done - t_resharded,
     }
     logger.print(
-        f"megahet: re-split the pipeline stages {format_split(old_split)} -> {format_split(split)} after step "
+        f"megahet: re-split the pipeline stages {old_split} -> {new_plan.split} after step "
         f"{step} in {costs['resplit_s']:.2f} s (save {costs['resplit_save_s']:.2f} s, reshard with the "
         f"optimizer state {costs['resplit_reshard_s']:.2f} s, rebuild and load {costs['resplit_build_s']:.2f} s)"
     )

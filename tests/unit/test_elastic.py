@@ -25,7 +25,7 @@ import torch
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from megahet.checkpointing.checkpoint import MODEL_SETTINGS_FREE, Resume, check_model
-from megahet.checkpointing.elastic import fit_layout, needs_reshard, plan_resume
+from megahet.checkpointing.elastic import fit_layout, layout_note, needs_reshard, with_layout
 from megahet.checkpointing.optimizer_state import read_zero_state, zero_files
 from megahet.compat.deepspeed_checkpoint import model_states_file
 from megahet.config import ConfigError, MegahetConfig, load_config
@@ -48,6 +48,16 @@ def _one_line_error(excinfo: pytest.ExceptionInfo) -> str:
     message = str(excinfo.value)
     assert "\n" not in message, message
     return message
+
+
+def plan_resume(cfg, resume, world):
+    """(the fitted configuration, the layout note, whether to reshard) with the split from cfg: how
+    megahet/run_plan.py composes elastic's parts."""
+    if resume is None or resume.meta.get("weights_only"):
+        return cfg, None, False
+    fitted = with_layout(cfg, *fit_layout(cfg, world))
+    reshard = needs_reshard(resume, fitted, world)
+    return fitted, layout_note(resume, cfg, fitted, world, reshard), reshard
 
 
 # --- needs_reshard ---------------------------------------------------------------------------------

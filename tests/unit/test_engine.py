@@ -179,7 +179,7 @@ def _ds_file(tmp_path: Path, content: object, name: str = "ds.json") -> str:
 def test_fold_without_ds_config_changes_nothing() -> None:
     cfg = _cfg()
     before = cfg.to_dict()
-    assert fold_deepspeed_json(cfg) == {}
+    assert fold_deepspeed_json(cfg) == (cfg, {})
     assert cfg.to_dict() == before
 
 
@@ -189,8 +189,10 @@ def test_fold_carries_stage_bf16_and_clipping(tmp_path: Path) -> None:
         "bf16": {"enabled": True},
         "gradient_clipping": 0.3,
     }
-    cfg = _cfg(**{"train.deepspeed_config": _ds_file(tmp_path, user)})
-    assert fold_deepspeed_json(cfg) == user
+    given = _cfg(**{"train.deepspeed_config": _ds_file(tmp_path, user)})
+    cfg, folded = fold_deepspeed_json(given)
+    assert folded == user
+    assert given.parallel.zero_stage == 1 and given.train.precision == "fp32"  # the input is left alone
     assert cfg.parallel.zero_stage == 2 and type(cfg.parallel.zero_stage) is int
     assert cfg.train.precision == "bf16"
     assert cfg.train.clip_grad == 0.3
@@ -208,13 +210,13 @@ def test_fold_leaves_unset_values_alone(tmp_path: Path) -> None:
             "train.deepspeed_config": _ds_file(tmp_path, {"bf16": {"enabled": False}, "steps_per_print": 5}),
         }
     )
-    fold_deepspeed_json(cfg)
+    cfg, _ = fold_deepspeed_json(cfg)
     assert (cfg.parallel.zero_stage, cfg.train.precision, cfg.train.clip_grad) == (2, "fp32", 0.7)
 
 
 def test_fold_shipped_example(tmp_path: Path) -> None:
     cfg = _cfg(**{"train.deepspeed_config": str(REPO / "examples" / "ds_config_zero2_bf16.json")})
-    fold_deepspeed_json(cfg)
+    cfg, _ = fold_deepspeed_json(cfg)
     assert (cfg.parallel.zero_stage, cfg.train.precision) == (2, "bf16")
 
 
@@ -225,7 +227,7 @@ def test_fold_then_validate_rejects_zero2_with_pp(tmp_path: Path) -> None:
             "train.deepspeed_config": _ds_file(tmp_path, {"zero_optimization": {"stage": 2}}),
         }
     )
-    fold_deepspeed_json(cfg)
+    cfg, _ = fold_deepspeed_json(cfg)
     with pytest.raises(ConfigError) as err:
         validate(cfg, 2)
     _one_line(err, "parallel.zero_stage")
@@ -238,7 +240,7 @@ def test_fold_rejects_fp16(tmp_path: Path) -> None:
     _one_line(err, "fp16", "bf16")
     # A disabled fp16 section is fine.
     cfg = _cfg(**{"train.deepspeed_config": _ds_file(tmp_path, {"fp16": {"enabled": False}}, "off.json")})
-    assert fold_deepspeed_json(cfg) == {"fp16": {"enabled": False}}
+    assert fold_deepspeed_json(cfg)[1] == {"fp16": {"enabled": False}}
 
 
 def test_fold_missing_file(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from megahet.checkpointing.convert import consolidate, merge_shards, reshard, sh
 from megahet.config import ConfigError, load_config
 from megahet.config_checks import stage_split, validate
 from megahet.policy.stage_split import (
+    StageSplit,
     best_split,
     best_time,
     declared_stage_times,
@@ -200,7 +201,7 @@ def test_a_checkpoint_of_another_split_reshards_or_names_the_fix():
     from pathlib import Path
 
     from megahet.checkpointing.checkpoint import Resume, check_compatible, layout_of
-    from megahet.checkpointing.elastic import needs_reshard, plan_resume
+    from megahet.checkpointing.elastic import layout_note, needs_reshard, with_layout
 
     layers = ["--model.num_layers", "8", "--parallel.pp", "2"]
     uneven = load_config([*layers, "--parallel.stage_layers", "3,5"])
@@ -213,7 +214,8 @@ def test_a_checkpoint_of_another_split_reshards_or_names_the_fix():
     )
     assert not needs_reshard(saved, uneven, 4)
     assert needs_reshard(saved, even, 4)
-    _, note, reshard = plan_resume(even, saved, 4)
+    reshard = needs_reshard(saved, with_layout(even, 1, 2), 4)
+    note = layout_note(saved, even, even, 4, reshard)
     assert reshard and "saved at TP 1 x PP 2 (layers 3,5) x DP 2" in note
 
     weights = Resume(Path("/ck/iter_0000020"), {"iteration": 20, "consumed_samples": 1, "weights_only": True,
@@ -223,37 +225,39 @@ def test_a_checkpoint_of_another_split_reshards_or_names_the_fix():
     assert "this run is TP 1 x PP 2 (layers 3,5)" in str(err.value)
 
 
-def test_start_split_from_declared_speeds_and_from_a_measured_checkpoint():
+def test_starting_split_from_declared_speeds_and_from_a_measured_checkpoint():
     from pathlib import Path
 
     from megahet.checkpointing.checkpoint import Resume
-    from megahet.runtime.stage_plan import start_split
+    from megahet.config_checks import validate
+    from megahet.run_plan import declared_by_coords
+    from megahet.runtime.stage_plan import starting_split
+
+    def split(cfg, world, vocab_size, resume=None):
+        return starting_split(cfg, declared_by_coords(cfg, world), vocab_size, resume)
 
     base = ["--model.num_layers", "8", "--parallel.pp", "2", "--model.hidden_size", "64"]
     declared = load_config([*base, "--hetero.pp_split", "declared", "--hetero.speeds", "1,0.5,1,0.5"])
     # world 4 = PP 2 x DP 2; ranks 1 and 3 are DP replica 1 of stages 0 and 1: each stage's slowest copy
     # runs at 0.5 -> even; a slow stage 0 (ranks 0, 1) gets fewer layers
-    assert start_split(declared, 4, vocab_size=None).parallel.stage_layers == "4,4"
+    assert split(declared, 4, vocab_size=None) == (4, 4)
     slow_first = load_config([*base, "--hetero.pp_split", "declared", "--hetero.speeds", "0.5,0.5,1,1"])
-    assert start_split(slow_first, 4, vocab_size=None).parallel.stage_layers == "3,5"
-    assert (
-        start_split(slow_first, 4, vocab_size=4096).parallel.stage_layers != "3,5"
-    )  # the output layer counts
+    assert split(slow_first, 4, vocab_size=None) == (3, 5)
+    assert type(split(slow_first, 4, vocab_size=None)) is StageSplit
+    assert split(slow_first, 4, vocab_size=4096) != (3, 5)  # the output layer counts
     with pytest.raises(ConfigError, match="drop one"):
-        start_split(load_config([*base, "--hetero.pp_split", "declared", "--hetero.speeds", "1,1",
-                                 "--parallel.stage_layers", "4,4"]), 2, None)  # fmt: skip
+        split(load_config([*base, "--hetero.pp_split", "declared", "--hetero.speeds", "1,1",
+                           "--parallel.stage_layers", "4,4"]), 2, None)  # fmt: skip
     with pytest.raises(ConfigError, match="hetero.speeds: 3 speeds declared for a world of 2"):
-        start_split(
-            load_config([*base, "--hetero.pp_split", "declared", "--hetero.speeds", "1,1,1"]), 2, None
-        )
+        validate(load_config([*base, "--hetero.pp_split", "declared", "--hetero.speeds", "1,1,1"]), 2)
 
     measured = load_config([*base, "--hetero.pp_split", "measured"])
     saved = Resume(
         Path("/ck/iter_1"), {"layout": {"tp": 1, "pp": 2, "dp": 1, "zero_stage": 1, "stage_layers": [2, 6]}}
     )
-    assert start_split(measured, 2, None, saved).parallel.stage_layers == "2,6"  # goes on where it was
-    assert start_split(measured, 2, None).parallel.stage_layers is None
-    assert start_split(load_config(base), 2, None, saved).parallel.stage_layers is None  # not planned: as set
+    assert split(measured, 2, None, saved) == (2, 6)  # goes on where it was
+    assert split(measured, 2, None) == (4, 4)
+    assert split(load_config(base), 2, None, saved) == (4, 4)  # not planned: as set
 
 
 def test_layer_flops_count_grouped_query_attention_and_swiglu() -> None:

@@ -1,0 +1,145 @@
+"""The run plan: everything set-up decides, computed once from the configuration and the world.
+
+Role: setup (the plan is data; `plan_run` is the one place that builds it, calling the pure planners
+of megahet/policy/; the runtime reads the plan and never re-derives any of it).
+
+    plan = plan_run(cfg, spec, world_size)   # before any rank starts work: every check, once
+    plan.cfg                                 # the validated configuration the ranks run, frozen
+    plan.tp, plan.pp, plan.dp                # the layout (TP x PP fitted to the world on an elastic resume)
+    plan.split                               # layers per pipeline stage (StageSplit)
+    plan.speeds                              # declared speeds by rank coordinates (dp, pp, tp); {} if none
+    plan.shares                              # the data-parallel shares the run starts from
+    plan.resume, plan.reshard, plan.notes    # what to load, whether to reshard it first, what to say
+
+What it replaces: the split used to be written back into `parallel.stage_layers` and parsed again in
+five modules, the configuration rewritten up to three times, and `hetero.speeds` parsed in three places.
+Now `hetero.speeds` is parsed by validation (to check it) and once here (the value); the split is a
+`StageSplit` in the plan; `plan.cfg` is frozen (`MegahetConfig.freeze`): an assignment to it raises. A
+re-split makes a new plan (`with_split`), with the same configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+from collections.abc import Mapping
+from typing import Any
+
+from megahet.checkpointing import checkpoint
+from megahet.checkpointing.elastic import fit_layout, layout_note, needs_reshard, with_layout
+from megahet.config import MegahetConfig
+from megahet.config_checks import ranks_per_node, validate
+from megahet.engine import fold_deepspeed_json
+from megahet.parallel import mesh_coords
+from megahet.policy.declared_speeds import parse_declared_speeds
+from megahet.policy.dp_shares import DataParallelShares, RankCoords, dp_shares, even_shares, replica_speeds
+from megahet.policy.stage_split import StageSplit
+from megahet.runtime.stage_plan import starting_split
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    cfg: MegahetConfig
+    """The validated configuration the ranks run (frozen)."""
+    world_size: int
+    dp: int
+    split: StageSplit
+    """Layers per pipeline stage."""
+    speeds: Mapping[RankCoords, float]
+    """Declared relative speeds (hetero.speeds) by (dp, pp, tp) coordinates; empty when none."""
+    shares: DataParallelShares | None
+    """The micro-batches per replica the run starts from (None: packed documents, planned per step)."""
+    replica_speeds: tuple[float, ...] | None
+    """Packed documents with declared speeds: each replica's speed relative to the fastest."""
+    resume: checkpoint.Resume | None
+    reshard: bool
+    """Whether `resume` must be resharded to this layout before it loads (elastic)."""
+    notes: tuple[str, ...] = ()
+    """Lines rank 0 prints before any rank starts work (which checkpoint, which layout)."""
+    user_ds: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """The user's DeepSpeed JSON (train.deepspeed_config), already folded into cfg."""
+
+    @property
+    def tp(self) -> int:
+        return self.cfg.parallel.tp
+
+    @property
+    def pp(self) -> int:
+        return self.cfg.parallel.pp
+
+    def with_split(self, split) -> RunPlan:
+        """This plan with other layers per stage (a re-split: nothing else changes)."""
+        return dataclasses.replace(self, split=StageSplit(split), resume=None, reshard=False, notes=())
+
+    def tp_group_speeds(self, pp_rank: int) -> list[list[float]] | None:
+        """Declared speeds of stage pp_rank's TP ranks, per replica (what the TP balancer starts from)."""
+        if not self.speeds:
+            return None
+        return [[self.speeds[(dp, pp_rank, tp)] for tp in range(self.tp)] for dp in range(self.dp)]
+
+
+def declared_by_coords(cfg: MegahetConfig, world_size: int) -> dict[RankCoords, float]:
+    """hetero.speeds (validated) by each rank's (dp, pp, tp) coordinates; {} when unset."""
+    if not cfg.hetero.speeds:
+        return {}
+    p = cfg.parallel
+    speeds = parse_declared_speeds(cfg.hetero.speeds, world_size, ranks_per_node(world_size))
+    return dict(zip(mesh_coords(world_size, p.tp, p.pp), speeds, strict=True))
+
+
+def _starting_shares(
+    cfg: MegahetConfig, dp: int, speeds: Mapping[RankCoords, float], packed: bool
+) -> tuple[DataParallelShares | None, tuple[float, ...] | None]:
+    """(shares, replica speeds) at step 0: even, or from the declared speeds when the shares are planned."""
+    t, h = cfg.train, cfg.hetero
+    if packed:
+        if not (speeds and h.active):
+            return None, None
+        per_replica = replica_speeds(speeds, tp_balanced=cfg.balance.plans)
+        return None, tuple(s / max(per_replica) for s in per_replica)
+    total = t.global_batch_size // t.micro_batch_size
+    if not (speeds and h.active):
+        return even_shares(total, dp), None
+    # A TP balancer evens each TP group out; without one a replica runs at its slowest rank.
+    per_replica = replica_speeds(speeds, tp_balanced=cfg.balance.plans)
+    return dp_shares(per_replica, total, healthy_gap=h.healthy_gap), None
+
+
+def plan_run(cfg: MegahetConfig, spec, world_size: int | None = None) -> RunPlan:
+    """Check the configuration, its inputs and the checkpoint to resume against the world, and decide
+    the layout, the stage split, the starting shares and what to load. Raises a one-line ConfigError
+    before any rank starts work. `spec`: the task (megahet.training.TaskSpec: vocab_size, preflight)."""
+    world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    cfg, user_ds = fold_deepspeed_json(cfg)
+    resume = checkpoint.find_resume(cfg)
+    if resume is not None:
+        checkpoint.check_model(resume, cfg, spec.vocab_size(cfg))
+    full = resume is not None and not resume.meta.get("weights_only")
+    tp, pp = fit_layout(cfg, world) if full else (cfg.parallel.tp, cfg.parallel.pp)
+    cfg = with_layout(cfg, tp, pp)
+    dp = validate(cfg, world)
+    spec.preflight(cfg)
+    speeds = declared_by_coords(cfg, world)
+    split = starting_split(cfg, speeds, spec.vocab_size(cfg), resume)
+    reshard = full and needs_reshard(resume, cfg, world, split)
+    notes = [resume.note] if resume is not None and resume.note else []
+    if resume is not None:
+        moved = layout_note(resume, cfg, world, reshard)
+        notes += [moved] if moved else []
+        if not reshard:
+            checkpoint.check_compatible(resume, cfg, dp, split)
+    shares, per_replica = _starting_shares(cfg, dp, speeds, cfg.data.packing == "documents")
+    return RunPlan(
+        cfg=cfg.freeze(),
+        world_size=world,
+        dp=dp,
+        split=split,
+        speeds=types.MappingProxyType(speeds),
+        shares=shares,
+        replica_speeds=per_replica,
+        resume=resume,
+        reshard=reshard,
+        notes=tuple(notes),
+        user_ds=types.MappingProxyType(user_ds),
+    )

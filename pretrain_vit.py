@@ -73,7 +73,9 @@ def preflight(cfg: MegahetConfig) -> None:
             "the ViT learns its patch positions and has a classifier head; leave them at their defaults"
         )
     if cfg.data.packing != "none":
-        raise ConfigError("data.packing packs text documents (GPT): the ViT's images are fixed-size; leave it none")
+        raise ConfigError(
+            "data.packing packs text documents (GPT): the ViT's images are fixed-size; leave it none"
+        )
     load_mnist("train")  # a missing data wheel fails here, with its fix, before ranks start
 
 

@@ -33,7 +33,9 @@ from megahet.config import ConfigError, MegahetConfig
 from megahet.config_checks import validate
 
 
-def needs_reshard(resume: Resume | None, cfg: MegahetConfig, world: int, split: Sequence[int] | None = None) -> bool:
+def needs_reshard(
+    resume: Resume | None, cfg: MegahetConfig, world: int, split: Sequence[int] | None = None
+) -> bool:
     """A full checkpoint whose TP x PP x DP x ZeRO layout (with `split`, the run's layers per stage,
     default from cfg) is not the one `cfg` runs at this world size (weights-only checkpoints load at
     any DP, with their own TP x PP; resharded ones at any DP)."""
@@ -84,7 +86,9 @@ def fit_layout(cfg: MegahetConfig, world: int) -> tuple[int, int]:
     return tp, pp
 
 
-def layout_note(resume: Resume, asked: MegahetConfig, fitted: MegahetConfig, world: int, reshard: bool) -> str | None:
+def layout_note(
+    resume: Resume, asked: MegahetConfig, fitted: MegahetConfig, world: int, reshard: bool
+) -> str | None:
     """The line that says how a checkpoint resumes at `fitted` (the run's TP x PP fitted to the world,
     asked for as `asked`), or None when it resumes as saved at the layout asked for."""
     if resume.meta.get("weights_only"):

@@ -30,7 +30,9 @@ from megahet.policy.stage_split import (
 )
 
 
-def declared_split(cfg: MegahetConfig, speeds: Mapping[RankCoords, float], vocab_size: int | None) -> StageSplit:
+def declared_split(
+    cfg: MegahetConfig, speeds: Mapping[RankCoords, float], vocab_size: int | None
+) -> StageSplit:
     """Layers per stage from the declared speeds by rank coordinates (hetero.speeds, validated)."""
     m, p = cfg.model, cfg.parallel
     tp_balanced = cfg.balance.plans  # a TP balancer runs each stage's group at its mean speed

@@ -36,9 +36,9 @@ from megahet.parallel import ParallelLayout, destroy_parallel, initialize_parall
 from megahet.platform import cuda_available
 from megahet.policy.dp_shares import even_shares, replica_loss_scale
 from megahet.run_plan import RunPlan, plan_run
-from megahet.runtime.hetero_setup import start_heterogeneous, start_pipeline
+from megahet.runtime.hook_builder import build_step_hooks
 from megahet.runtime.hooks import StepHook
-from megahet.runtime.timing import CommClock, ComputeTimers, StepTimes, time_layers
+from megahet.runtime.timing import CommClock, ComputeTimers, StepTimes
 
 ForwardStep = Callable[[Iterator[dict], torch.nn.Module], tuple[torch.Tensor, Callable]]
 
@@ -428,48 +428,9 @@ def build_trainer(
         f"DP {layout.dp_size}, ZeRO-{cfg.parallel.zero_stage}, {cfg.train.precision}, "
         f"{sum(p.numel() for p in task.model.parameters())} parameters on this rank"
     )
-    hooks: list[StepHook] = []
-    resizer = balancer = None
-    if cfg.resize.active or cfg.balance.active:
-        from megahet.runtime.resizer import ResizeController
-
-        num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.dp_size)
-        resizer = ResizeController(cfg, task.model, layout, num_microbatches)
-        hooks.append(resizer)
-    if cfg.device.profile:
-        from megahet.runtime.devices import (
-            DeviceStepHook,
-            VirtualDevice,
-            attach_virtual_device,
-            parse_profile,
-        )
-
-        profile = parse_profile(cfg.device.profile)
-        index, width = profile.index(layout.tp_rank, layout.tp_size, layout.rank, layout.world_size)
-        device = VirtualDevice(profile, index, width, cfg.device.rate_gflops)
-        hooks.append(DeviceStepHook(device))
-    trainer = Trainer(cfg, task, engine, layout, logger, hooks)
-    trainer.plan = plan
-    if cfg.device.profile:  # it pays before each collective the trainer's clock times
-        attach_virtual_device(task.model, device, trainer.clock)
-    pipeline = cfg.hetero.pp_active and layout.pp_size > 1
-    if cfg.balance.active or pipeline:  # the balancers read the transformer layers' own compute
-        time_layers(task.model, trainer.clock)
-    if cfg.balance.active:
-        from megahet.runtime.balancer import BalanceController
-
-        # First: it plans at the start of a step, before the ResizeController executes the plan.
-        balancer = BalanceController(cfg, layout, resizer, lambda: trainer.times, lambda: trainer.step_t0)
-        trainer.step_hooks.insert(0, balancer)
-    coords = start_heterogeneous(plan, trainer, balancer if cfg.balance.active else None)
-    if task.packed:  # packed documents: the cost model's profile and refits
-        from megahet.runtime.packing import PackingController
-
-        trainer.step_hooks.append(PackingController(cfg, trainer, layout))
-    if pipeline:
-        start_pipeline(plan, trainer, coords, resplits)
-    trainer.extra_hooks = tuple(extra_hooks)
-    trainer.step_hooks.extend(extra_hooks)
+    trainer = Trainer(cfg, task, engine, layout, logger)
+    trainer.plan, trainer.extra_hooks = plan, tuple(extra_hooks)
+    build_step_hooks(plan, trainer, resplits, extra_hooks)  # sets trainer.step_hooks, in their order
     if resume is not None:
         seconds = checkpoint.load(trainer, resume, resplit=resplits > 0)
         logger.print(f"megahet: resumed from {resume.path} (step {trainer.iteration}) in {seconds:.2f} s")

@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -45,8 +43,7 @@ from megahet.config import MegahetConfig
 from megahet.parallel import ParallelLayout
 from megahet.policy.detector import SpeedEstimator
 from megahet.policy.planner import WorkTarget, balance
-from megahet.runtime.hooks import MeasuringHook
-from megahet.runtime.timing import StepTimes
+from megahet.runtime.hooks import MeasuringHook, StepContext
 from megahet.runtime.trace_writer import TraceWriter
 
 
@@ -75,16 +72,15 @@ class BalanceController(MeasuringHook):
         cfg: MegahetConfig,
         layout: ParallelLayout,
         resize,
-        times: Callable[[], StepTimes],
-        step_start: Callable[[], float] = time.perf_counter,
+        ctx: StepContext,
     ):
         self.cfg, self.layout, self.resize = cfg.balance, layout, resize
-        self.times = times
-        """The step just done as the Trainer measured it (megahet/runtime/timing.py). The balancer plans on
-        `layers_s`, this rank's own compute inside its transformer layers (their time minus the time
-        blocked in collectives); the trace also records `compute_s` and `wait_s`."""
-        self.step_start = step_start
-        """When the current step began (the Trainer's clock), so plan changes and transfers count."""
+        self.ctx = ctx
+        """The running step: `ctx.times` is the step just done as the Trainer measured it
+        (megahet/runtime/timing.py). The balancer plans on `layers_s`, this rank's own compute inside its
+        transformer layers (their time minus the time blocked in collectives); the trace also records
+        `compute_s` and `wait_s`. `ctx.step_t0`: when the current step began, so plan changes and
+        transfers count."""
         self.estimators = [SpeedEstimator(layout.tp_size, cfg.balance.window) for _ in range(layout.dp_size)]
         self.targets = [WorkTarget() for _ in range(layout.dp_size)]
         self.changes = 0
@@ -113,7 +109,7 @@ class BalanceController(MeasuringHook):
         """Measure this step and start gathering it over the stage's TP x DP ranks (asynchronously: the
         few numbers travel while the step finishes; `_collect` waits for them)."""
         work = 3.0 * (self.resize.executor.executed_flops() - self._flops0)  # forward + 2x backward
-        t = self.times()
+        t = self.ctx.times
         mine = torch.tensor(
             [self.layout.dp_rank, self.layout.tp_rank, work, t.layers_s, t.compute_s, t.wait_s],
             dtype=torch.float64,

@@ -18,7 +18,7 @@ numbers, so every rank's shares are the same, with hysteresis, and back to even 
 alike. Virtual devices (`--device.profile` over the whole mesh) are measured through the same path:
 the balancer never reads their profile.
 
-    dp = DataParallelBalancer(cfg, layout, trainer.set_shares, lambda: trainer.times, coords, shares)
+    dp = DataParallelBalancer(cfg, layout, trainer, coords)   # trainer: the StepContext
 
 Telemetry (`report()`): per replica its estimated speed (`speed_dpR`, the fastest = 1) and its share of
 the global batch in micro-batches (`share_dpR`). With `--balance.trace run.jsonl` global rank 0 writes
@@ -28,8 +28,7 @@ speed samples, so a resumed run goes on with the same split.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -39,8 +38,7 @@ from megahet.config import MegahetConfig
 from megahet.parallel import ParallelLayout
 from megahet.policy.detector import SpeedEstimator
 from megahet.policy.dp_shares import RankCoords, dp_shares, replica_speeds
-from megahet.runtime.hooks import MeasuringHook
-from megahet.runtime.timing import StepTimes
+from megahet.runtime.hooks import MeasuringHook, StepContext
 from megahet.runtime.trace_writer import TraceWriter
 
 
@@ -65,27 +63,21 @@ class DataParallelBalancer(MeasuringHook):
         self,
         cfg: MegahetConfig,
         layout: ParallelLayout,
-        apply: Callable[[tuple[int, ...]], None],
-        times: Callable[[], StepTimes],
+        ctx: StepContext,
         coords: Sequence[RankCoords],
-        shares: tuple[int, ...],
-        step_start: Callable[[], float] = time.perf_counter,
         *,
-        work: Callable[[], float] | None = None,
-        apply_speeds: Callable[[tuple[float, ...]], None] | None = None,
+        packed: bool = False,
     ):
-        self.cfg, self.layout, self.apply, self.times = cfg.hetero, layout, apply, times
+        self.cfg, self.layout, self.ctx = cfg.hetero, layout, ctx
         self.coords = list(coords)
-        self.shares = tuple(shares)
-        """The shares the Trainer executes (`apply` hands it new ones)."""
+        self.shares = tuple(ctx.shares)
+        """The shares the Trainer executes (`ctx.set_shares` hands it new ones)."""
         self.num_microbatches = sum(self.shares)
         self.measured = cfg.hetero.dp_shares == "measured"
         self.estimator = SpeedEstimator(layout.world_size, cfg.hetero.window)
-        self.step_start = step_start
-        self.work = work if work is not None else (lambda: float(self.shares[self.layout.dp_rank]))
-        """This replica's work in the step: its micro-batches, or packed documents' predicted cost."""
-        self.apply_speeds = apply_speeds
-        """Packed documents: the speeds go to the per-step planner instead of whole-micro-batch shares."""
+        self.packed = packed
+        """Packed documents: a replica's work is its predicted cost (`ctx.replica_work`), and the speeds
+        go to the per-step planner (`ctx.set_replica_speeds`) instead of whole-micro-batch shares."""
         self.speeds_applied: tuple[float, ...] | None = None
         self.changes = 0
         self._due = False
@@ -103,14 +95,14 @@ class DataParallelBalancer(MeasuringHook):
         self.step = step
 
     def after_step(self, engine) -> None:
-        t = self.times()
+        t = self.ctx.times
         region_s = t.compute_s + t.wait_s  # the replica's time per micro-batch, TP collectives included
-        mine = torch.tensor([self.work(), region_s], dtype=torch.float64)
+        mine = torch.tensor([self.ctx.replica_work(), region_s], dtype=torch.float64)
         self._gather(mine)
 
     def set_shares(self, shares: tuple[int, ...]) -> None:
         """Packed documents: the step's micro-batches per replica, as planned (reported as the shares)."""
-        if self.apply_speeds is not None:
+        if self.packed:
             self.shares = tuple(shares)
 
     def _collect(self) -> None:
@@ -142,14 +134,14 @@ class DataParallelBalancer(MeasuringHook):
         return [s / fastest for s in speeds]
 
     def _plan(self) -> None:
-        if self.apply_speeds is not None:
+        if self.packed:
             speeds = tuple(self.replica_speeds())
             if all(s >= 1 - self.cfg.healthy_gap for s in speeds):
                 speeds = (1.0,) * len(speeds)  # alike within the noise: plan them as equals
             if speeds != self.speeds_applied:
                 self.speeds_applied = speeds
                 self.changes += 1
-                self.apply_speeds(speeds)
+                self.ctx.set_replica_speeds(speeds)
             return
         new = dp_shares(
             self.replica_speeds(),
@@ -161,7 +153,7 @@ class DataParallelBalancer(MeasuringHook):
         if new != self.shares:
             self.shares = new
             self.changes += 1
-            self.apply(new)
+            self.ctx.set_shares(new)
 
     def metrics(self) -> dict[str, float]:
         self._collect()
@@ -192,11 +184,11 @@ class DataParallelBalancer(MeasuringHook):
             samples.clear()
             samples.extend(values)
         self.shares = tuple(state["shares"])
-        if self.apply_speeds is None:
-            self.apply(self.shares)
+        if not self.packed:
+            self.ctx.set_shares(self.shares)
         elif state.get("speeds_applied") is not None:
             self.speeds_applied = tuple(state["speeds_applied"])
-            self.apply_speeds(self.speeds_applied)
+            self.ctx.set_replica_speeds(self.speeds_applied)
         self.changes, self._due, self.step = state["changes"], state["due"], state["step"]
         if self.trace is not None:
             self.trace.resume_from = self.step + 1

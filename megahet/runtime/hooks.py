@@ -18,12 +18,43 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megahet.runtime.timing import StepTimes
+
+
+class StepContext(Protocol):
+    """What a step hook reads of the running step, and the requests it may make of the Trainer, in
+    place of the Trainer itself (the Trainer implements it: megahet/training.py). Hooks receive it at
+    construction (megahet/runtime/hook_builder.py)."""
+
+    times: StepTimes
+    """The last step's measured times (megahet/runtime/timing.py), set after its optimizer step."""
+    step_t0: float
+    """perf_counter() when the current step began."""
+    num_microbatches: int
+    """This replica's micro-batches in the current step."""
+    shares: tuple[int, ...]
+    """Micro-batches of every global batch per data-parallel replica."""
+    step_plan: Any
+    """Packed documents: the current global batch's plan (megahet/data/packed.py StepPlan), else None."""
+
+    def set_shares(self, shares: tuple[int, ...]) -> None:
+        """Ask for these data-parallel shares from the next step on."""
+
+    def set_replica_speeds(self, speeds: tuple[float, ...]) -> None:
+        """Packed documents: plan the next global batches for replicas of these speeds (fastest = 1)."""
+
+    def replica_work(self) -> float:
+        """What this replica's step held, in the units its speed is measured in."""
+
+    def request_split(self, split: tuple[int, ...]) -> None:
+        """Ask for other layers per pipeline stage: training stops after the step and re-splits."""
 
 
 class StepHook:
@@ -82,8 +113,8 @@ class MeasuringHook(StepHook):
     the step finishes), and folds them in at the start of the next (the balancers)."""
 
     step: int = -1
-    step_start: Callable[[], float] = time.perf_counter
-    """When the current step began (the Trainer's clock)."""
+    ctx: StepContext | None = None
+    """The running step (its start, on the Trainer's clock); None: a hook measured on its own."""
     _pending: tuple | None = None
     """(all_gather handle, rows, step, step seconds) of the last step, until `_take`."""
     trace = None
@@ -92,7 +123,8 @@ class MeasuringHook(StepHook):
     def _gather(self, mine: torch.Tensor, group=None) -> None:
         rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         handle = dist.all_gather(rows, mine, group=group, async_op=True)
-        self._pending = (handle, rows, self.step, time.perf_counter() - self.step_start())
+        started = self.ctx.step_t0 if self.ctx is not None else time.perf_counter()
+        self._pending = (handle, rows, self.step, time.perf_counter() - started)
 
     def _collect(self) -> None:
         """Fold the last step's gathered rows in (`_take`)."""

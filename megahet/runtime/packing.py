@@ -51,7 +51,7 @@ from megahet.policy.cost_fit import (
     refit_doc_cost,
 )
 from megahet.policy.packing import DocCost
-from megahet.runtime.hooks import MeasuringHook
+from megahet.runtime.hooks import MeasuringHook, StepContext
 from megahet.runtime.trace_writer import TraceWriter
 
 
@@ -131,10 +131,10 @@ class PackingController(MeasuringHook):
     # Settings that do not change what a document costs: a resume with other values keeps the saved model.
     settings_free = ("packing_strategy", "packing_tries", "cost_window", "length_mix", "split", "data_dir")
 
-    def __init__(self, cfg: MegahetConfig, trainer, layout: ParallelLayout):
+    def __init__(self, cfg: MegahetConfig, ctx: StepContext, layout: ParallelLayout, task, logger):
         self.cfg = cfg.data
-        self.trainer, self.layout = trainer, layout
-        self.stream = trainer.task.train_data
+        self.ctx, self.layout, self.task, self.logger = ctx, layout, task, logger
+        self.stream = task.train_data
         self.interval, self.window = cfg.hetero.interval, cfg.data.cost_window
         self.fixed = cfg.data.doc_cost is not None
         self.run_cfg = cfg
@@ -150,7 +150,6 @@ class PackingController(MeasuringHook):
         self.last: dict[str, float] = {}
         self.plan_stats: dict[str, float] = {}
         """The last step's plan: slowest / mean predicted micro-batch, padding fraction at the token cap."""
-        self.step_start = lambda: trainer.step_t0
         self.trace = (
             TraceWriter(packing_trace_path(cfg.balance.trace))
             if cfg.balance.trace and layout.rank == 0
@@ -166,11 +165,11 @@ class PackingController(MeasuringHook):
         if self.needs_profile:
             self.needs_profile = False
             cost, samples, seconds = profile_doc_cost(
-                self.trainer.task.model, self.run_cfg, self.trainer.task.vocab_size or 1
+                self.task.model, self.run_cfg, self.task.vocab_size or 1
             )
             self.stream.set_cost(cost)
             self.profile_cost, self.probes = cost, samples
-            self.trainer.logger.print(
+            self.logger.print(
                 f"megahet: document cost a={cost.a:.3e} s/token^2, b={cost.b:.3e} s/token, c={cost.c:.3e} "
                 f"s/micro-batch from {len(samples)} probes in {seconds:.2f} s (fit error "
                 f"{100 * mean_abs_pct_error(cost, samples):.1f} %)"
@@ -185,7 +184,7 @@ class PackingController(MeasuringHook):
             self._refit()
 
     def after_step(self, engine) -> None:
-        plan = self.trainer.step_plan
+        plan = self.ctx.step_plan
         if plan is None:
             return
         self.plan_stats = {
@@ -194,7 +193,7 @@ class PackingController(MeasuringHook):
             "padding": plan.padding_fraction(self.stream.caps),
         }
         stats = plan.replica_stats()[self.layout.dp_rank]
-        t = self.trainer.times
+        t = self.ctx.times
         mine = torch.tensor(
             [
                 float(self.layout.dp_rank), float(self.layout.pp_rank), stats["sum_sq"], stats["tokens"],

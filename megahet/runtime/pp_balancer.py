@@ -16,12 +16,11 @@ output layer, loss), (compute_s - layers_s) / micro-batches; each estimate is th
 With `hetero.pp_split=measured`, every `hetero.interval` steps every rank runs the same `next_split` on
 the same numbers: the split minimizing the slowest stage's modeled time, kept unless it cuts that time by
 more than `hetero.hysteresis`. A new split asked for `hetero.pp_patience` decisions in a row is handed to
-`request` (the Trainer ends the step, then re-splits). Declared splits are measured and reported, never
+`ctx.request_split` (the Trainer ends the step, then re-splits). Declared splits are measured and reported, never
 re-planned. Virtual devices (`--device.profile` per global rank) slow the layers' compute and are
 measured through the same path: the balancer never reads their profile.
 
-    pp = PipelineBalancer(cfg, layout, split, trainer.request_split, lambda: trainer.times,
-                          lambda: trainer.num_microbatches, coords)
+    pp = PipelineBalancer(cfg, layout, split, trainer, coords)   # trainer: the StepContext
 
 Telemetry (`report()`): per stage its measured speed per layer (`speed_ppS`, the fastest = 1) and its
 layers (`layers_ppS`); `metrics()`: re-splits so far (`pp_resplits`). With `--balance.trace run.jsonl`
@@ -32,8 +31,7 @@ from __future__ import annotations
 
 import collections
 import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -42,8 +40,7 @@ from megahet.config import MegahetConfig
 from megahet.parallel import ParallelLayout
 from megahet.policy.dp_shares import RankCoords
 from megahet.policy.stage_split import measured_stage_times, next_split
-from megahet.runtime.hooks import MeasuringHook
-from megahet.runtime.timing import StepTimes
+from megahet.runtime.hooks import MeasuringHook, StepContext
 from megahet.runtime.trace_writer import TraceWriter
 
 
@@ -58,20 +55,11 @@ class PipelineBalancer(MeasuringHook):
         cfg: MegahetConfig,
         layout: ParallelLayout,
         split: Sequence[int],
-        request: Callable[[tuple[int, ...]], None],
-        times: Callable[[], StepTimes],
-        micro: Callable[[], int],
+        ctx: StepContext,
         coords: Sequence[RankCoords],
-        step_start: Callable[[], float] = time.perf_counter,
         resplits: int = 0,
     ):
-        self.cfg, self.layout, self.request, self.times, self.micro = (
-            cfg.hetero,
-            layout,
-            request,
-            times,
-            micro,
-        )
+        self.cfg, self.layout, self.ctx = cfg.hetero, layout, ctx
         self.split = tuple(split)
         """The layers per stage the model runs (this balancer's measurements are in its units)."""
         self.coords = list(coords)
@@ -79,7 +67,6 @@ class PipelineBalancer(MeasuringHook):
         window = cfg.hetero.window
         self.layer_samples = [collections.deque(maxlen=window) for _ in self.coords]
         self.extra_samples = [collections.deque(maxlen=window) for _ in self.coords]
-        self.step_start = step_start
         self.resplits = resplits
         """Re-splits of this run so far (the runtime counts the one this balancer asks for)."""
         self.proposal: tuple[int, ...] | None = None
@@ -96,8 +83,8 @@ class PipelineBalancer(MeasuringHook):
         self.step = step
 
     def after_step(self, engine) -> None:
-        t = self.times()
-        mine = torch.tensor([self.micro(), t.layers_s, t.compute_s], dtype=torch.float64)
+        t = self.ctx.times
+        mine = torch.tensor([self.ctx.num_microbatches, t.layers_s, t.compute_s], dtype=torch.float64)
         self._gather(mine)
 
     @property
@@ -161,7 +148,7 @@ class PipelineBalancer(MeasuringHook):
         self.proposal = proposal
         if self.streak >= self.cfg.pp_patience:
             self.requested = proposal
-            self.request(proposal)
+            self.ctx.request_split(proposal)
 
     def metrics(self) -> dict[str, float]:
         self._collect()

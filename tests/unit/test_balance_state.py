@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 import types
 
 import pytest
@@ -60,7 +61,8 @@ class _Gathered:
 def _controller(mode: str, trace=None) -> BalanceController:
     overrides = {"balance.mode": mode, "balance.window": 3, "balance.interval": 2, "balance.trace": trace}
     cfg = apply_overrides(MegahetConfig(), overrides)
-    return BalanceController(cfg, LAYOUT, _FakeResize(), lambda: StepTimes(0.0, 0.0, 0.0))
+    ctx = types.SimpleNamespace(times=StepTimes(0.0, 0.0, 0.0), step_t0=time.perf_counter())
+    return BalanceController(cfg, LAYOUT, _FakeResize(), ctx)
 
 
 def _step(controller: BalanceController, step: int) -> dict:

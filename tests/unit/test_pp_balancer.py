@@ -9,6 +9,7 @@ layer; its telemetry (console line, trace and PNG, tools/plot_balance.py).
 from __future__ import annotations
 
 import json
+import time
 import types
 from pathlib import Path
 
@@ -38,8 +39,11 @@ def _balancer(*args: str, split=(4, 4), trace: Path | None = None) -> tuple[Pipe
     cfg = load_config(argv)
     requests: list = []
     layout = types.SimpleNamespace(rank=0)
-    times = lambda: StepTimes(0.0, 0.0, 0.0)  # measurements are fed by _feed
-    return PipelineBalancer(cfg, layout, split, requests.append, times, lambda: 2, COORDS), requests
+    ctx = types.SimpleNamespace(  # measurements are fed by _feed
+        times=StepTimes(0.0, 0.0, 0.0), step_t0=time.perf_counter(), num_microbatches=2,
+        request_split=requests.append,
+    )  # fmt: skip
+    return PipelineBalancer(cfg, layout, split, ctx, COORDS), requests
 
 
 def _feed(balancer: PipelineBalancer, step: int, layer_s: list[float], extra_s: float = 0.0) -> None:

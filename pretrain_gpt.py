@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-from megahet.checkpointing.checkpoint import start_iteration, start_sample
 from megahet.config import ConfigError, MegahetConfig
 from megahet.config_checks import parse_doc_cost, replica_caps
 from megahet.data.documents import DocumentPieces
@@ -153,7 +152,7 @@ def build_packed(
     )
     stream = PackedStream(
         pieces["train"], dp_rank=layout.dp_rank, dp_size=layout.dp_size, cap=caps, pp=layout.pp_size,
-        seed=t.seed, start_step=start_iteration(cfg), strategy=d.packing_strategy, tries=d.packing_tries,
+        seed=t.seed, strategy=d.packing_strategy, tries=d.packing_tries,
         cost=DocCost(*parse_doc_cost(d.doc_cost)) if d.doc_cost else DEFAULT_COST, **batch,
     )  # fmt: skip
     return Task(
@@ -193,9 +192,7 @@ def build(cfg: MegahetConfig, layout: ParallelLayout) -> Task:
         vocab_size=tokenizer.vocab_size,
         tokenizer_model=tokenizer_model,
         seq_length=cfg.model.seq_length,
-        train_data=micro_batches(
-            train_set, global_batch_size=t.global_batch_size, start_sample=start_sample(cfg), **sampling
-        ),
+        train_data=micro_batches(train_set, global_batch_size=t.global_batch_size, **sampling),
         eval_data=lambda: micro_batches(
             valid_set, global_batch_size=t.micro_batch_size * layout.dp_size, **sampling
         ),

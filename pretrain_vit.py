@@ -15,7 +15,6 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from megahet.checkpointing.checkpoint import start_sample
 from megahet.config import ConfigError, MegahetConfig
 from megahet.data.mnist import load_mnist
 from megahet.data.sampling import micro_batches, to_device
@@ -91,7 +90,6 @@ def build(cfg: MegahetConfig, layout: ParallelLayout) -> Task:
             train_set,
             global_batch_size=t.global_batch_size,
             shuffle_seed=t.seed,
-            start_sample=start_sample(cfg),
             **sampling,
         ),
         eval_data=lambda: micro_batches(

@@ -116,6 +116,7 @@ def plan_run(cfg: MegahetConfig, spec, world_size: int | None = None) -> RunPlan
     if resume is not None:
         checkpoint.check_model(resume, cfg, spec.vocab_size(cfg))
     full = resume is not None and not resume.meta.get("weights_only")
+    asked = cfg
     tp, pp = fit_layout(cfg, world) if full else (cfg.parallel.tp, cfg.parallel.pp)
     cfg = with_layout(cfg, tp, pp)
     dp = validate(cfg, world)
@@ -125,7 +126,7 @@ def plan_run(cfg: MegahetConfig, spec, world_size: int | None = None) -> RunPlan
     reshard = full and needs_reshard(resume, cfg, world, split)
     notes = [resume.note] if resume is not None and resume.note else []
     if resume is not None:
-        moved = layout_note(resume, cfg, world, reshard)
+        moved = layout_note(resume, asked, cfg, world, reshard)
         notes += [moved] if moved else []
         if not reshard:
             checkpoint.check_compatible(resume, cfg, dp, split)

@@ -433,6 +433,13 @@ def build_trainer(
     build_step_hooks(plan, trainer, resplits, extra_hooks)  # sets trainer.step_hooks, in their order
     if resume is not None:
         seconds = checkpoint.load(trainer, resume, resplit=resplits > 0)
+        position = getattr(task.train_data, "seek", None)
+        if position is None:
+            raise ConfigError(
+                "train.load: the task's train_data cannot go on from a resumed step (it has no seek): build it "
+                "with megahet.data.sampling.micro_batches or give it seek(iteration=, consumed_samples=)"
+            )
+        position(iteration=trainer.iteration, consumed_samples=trainer.start_sample)
         logger.print(f"megahet: resumed from {resume.path} (step {trainer.iteration}) in {seconds:.2f} s")
     for hook in trainer.step_hooks:  # traces go on from the loaded step (rows before it are kept)
         if getattr(hook, "trace", None) is not None:

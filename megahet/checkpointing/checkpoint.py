@@ -236,19 +236,6 @@ def check_compatible(resume: Resume, cfg: MegahetConfig, dp: int, split: Sequenc
         )
 
 
-def start_sample(cfg: MegahetConfig) -> int:
-    """Where the training data stream resumes: the samples consumed by the loaded checkpoint (or 0)."""
-    resume = find_resume(cfg)
-    return resume.consumed_samples if resume is not None else 0
-
-
-def start_iteration(cfg: MegahetConfig) -> int:
-    """The step the training run resumes at: the loaded checkpoint's iteration (or 0). Packed-document
-    streams are a function of the step (their global batches vary in size)."""
-    resume = find_resume(cfg)
-    return resume.iteration if resume is not None else 0
-
-
 # --- per-rank state: RNG streams and step hooks -----------------------------------------------------
 
 

@@ -235,6 +235,11 @@ class PackedStream:
             plan = round_robin_plan(lengths, self.dp_size, min(self.caps))
         return StepPlan(step, documents, lengths, starts, plan, self.cost)
 
+    def seek(self, *, iteration: int, consumed_samples: int) -> None:
+        """Go on from a resumed step: the next global batch planned is step `iteration`'s (a step's
+        documents are a function of the step; `consumed_samples` is unused here)."""
+        self.step, self.current, self._queue = iteration, None, []
+
     def begin_step(self) -> StepPlan:
         """Plan the next global batch; this replica's micro-batches of it follow from `next()`."""
         if self._queue:

@@ -61,7 +61,8 @@ def micro_batches(
     start_sample: int = 0,
     shuffle_seed: int | None = None,
 ) -> MicroBatchStream:
-    """This DP rank's micro-batches, forever, cycling epochs (reshuffled when a seed is given).
+    """This DP rank's micro-batches, forever, cycling epochs (reshuffled when a seed is given), from
+    `start_sample` (a resumed run's Trainer moves it with `seek`).
 
     A dataset smaller than one global batch is a ConfigError here, when the stream is created.
     """
@@ -99,6 +100,11 @@ class MicroBatchStream:
                 f"the {self.num_microbatches} micro-batches of a global batch"
             )
         self.shares = tuple(shares)
+
+    def seek(self, *, iteration: int, consumed_samples: int) -> None:
+        """Go on from a resumed step: the next micro-batch is the first of the global batch that starts
+        after `consumed_samples` samples (`iteration`: the step, unused here)."""
+        self._stream = self._generate(consumed_samples)
 
     def __iter__(self) -> MicroBatchStream:
         return self

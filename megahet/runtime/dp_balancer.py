@@ -101,9 +101,9 @@ class DataParallelBalancer(MeasuringHook):
         self._gather(mine)
 
     def set_shares(self, shares: tuple[int, ...]) -> None:
-        """Packed documents: the step's micro-batches per replica, as planned (reported as the shares)."""
-        if self.packed:
-            self.shares = tuple(shares)
+        """The shares the Trainer executes from now on: the run plan's starting shares, this balancer's
+        own decisions, or, with packed documents, the step's micro-batches per replica as planned."""
+        self.shares = tuple(shares)
 
     def _collect(self) -> None:
         gathered = self._take()

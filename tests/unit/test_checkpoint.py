@@ -144,7 +144,7 @@ def test_checkpoint_keys_are_validated(tmp_path: Path, overrides: dict, needles:
 
 def test_no_load_means_fresh(tmp_path: Path) -> None:
     assert checkpoint.find_resume(_cfg(tmp_path)) is None
-    assert checkpoint.start_sample(_cfg(tmp_path)) == 0
+    assert checkpoint.find_resume(_cfg(tmp_path)) is None
 
 
 def test_missing_load_dir_is_an_error(tmp_path: Path) -> None:
@@ -189,7 +189,7 @@ def test_truncated_file_is_named(tmp_path: Path) -> None:
     path = _fake_checkpoint(tmp_path / "ck")
     cfg = _cfg(tmp_path, **{"train.load": str(tmp_path / "ck")})
     assert checkpoint.find_resume(cfg).iteration == 4
-    assert checkpoint.start_sample(cfg) == 16
+    assert checkpoint.find_resume(cfg).consumed_samples == 16
     (path / "a.pt").write_bytes(b"x" * 60)
     with pytest.raises(ConfigError) as err:
         checkpoint.find_resume(cfg)
@@ -222,7 +222,7 @@ def test_missing_or_stale_latest_resumes_the_newest_complete_checkpoint(tmp_path
     newest = _fake_checkpoint(root, 6)
     (root / checkpoint.LATEST).unlink()
     resume = checkpoint.find_resume(cfg)
-    assert (resume.path, resume.iteration, checkpoint.start_sample(cfg)) == (newest, 6, 24)
+    assert (resume.path, resume.iteration, resume.consumed_samples) == (newest, 6, 24)
     assert "latest is missing" in resume.note and str(newest) in resume.note
     (root / "iter_0000008").mkdir()  # a crash before its megahet.json: incomplete
     (root / checkpoint.LATEST).write_text("iter_0000008")

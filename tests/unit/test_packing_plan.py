@@ -183,6 +183,9 @@ def test_stream_uses_every_document_once_per_epoch_and_resumes_exactly(size) -> 
     original = PackedStream(pieces, dp_rank=0, dp_size=2, cap=64, seed=9, **size)
     assert resumed.plan(3).plan == original.plan(3).plan
     assert (resumed.plan(3).documents == original.plan(3).documents).all()
+    original.begin_step()  # a Trainer that resumes positions the stream it built after loading
+    original.seek(iteration=3, consumed_samples=0)
+    assert (original.begin_step().documents == resumed.begin_step().documents).all()
 
 
 def test_stream_sends_long_documents_to_the_replica_with_the_larger_cap() -> None:

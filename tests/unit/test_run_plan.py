@@ -114,3 +114,14 @@ def test_a_run_trains_on_the_plans_frozen_config(world1, tmp_path) -> None:
     assert trainer.cfg is trainer.plan.cfg and trainer.cfg.frozen
     assert trainer.cfg.to_dict() == before
     assert trainer.layout.stage_layers == trainer.plan.split == (1,)
+
+    # Resuming: the plan names the checkpoint; at another DP it reshards it and says so, once.
+    resumed = load_config([*argv, "--train.load", str(tmp_path / "ck")], defaults=vit.default_config())
+    same = run_plan.plan_run(resumed, vit.SPEC, world_size=1)
+    assert same.resume.iteration == 2 and not same.reshard and same.notes == ()
+    wider = run_plan.plan_run(resumed, vit.SPEC, world_size=2)
+    assert wider.reshard and wider.dp == 2 and wider.resume.iteration == 2
+    assert (
+        len(wider.notes) == 1
+        and "runs TP 1 x PP 1 x DP 2: resharding it with its optimizer state" in wider.notes[0]
+    )

@@ -112,6 +112,10 @@ def test_resume_from_start_sample(shuffle_seed, dp_rank: int) -> None:
     resumed = micro_batches(Indexed(n), start_sample=skip * G, **kw)
     got = [b["idx"].tolist() for b in itertools.islice(resumed, per_step * 4)]
     assert got == expected
+    sought = micro_batches(Indexed(n), **kw)  # what a resumed Trainer does after loading the checkpoint
+    next(sought)
+    sought.seek(iteration=skip, consumed_samples=skip * G)
+    assert [b["idx"].tolist() for b in itertools.islice(sought, per_step * 4)] == expected
 
 
 def test_resume_does_not_read_skipped_samples() -> None:

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import RESULTS, markdown_table, save_results, torchrun
-from megahet.runtime.devices import parse_profile
+from megahet.policy.speed_profile import parse_profile
 from megahet.runtime.trace_plot import plot_trace, read_trace
 
 RUNS = RESULTS / "balance_efficiency_runs"

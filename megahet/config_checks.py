@@ -12,6 +12,9 @@ import os
 
 from megahet.config import ConfigError, MegahetConfig
 from megahet.parallel import check_world_size
+from megahet.policy.declared_speeds import parse_declared_speeds
+from megahet.policy.resize_planner import parse_block_gammas, parse_migrations, parse_rank_gammas
+from megahet.policy.speed_profile import parse_profile
 from megahet.policy.stage_split import StageSplit, best_split, parse_stage_layers
 
 
@@ -252,8 +255,6 @@ def ranks_per_node(world_size: int) -> int:
 
 
 def _validate_hetero(cfg: MegahetConfig, world_size: int, dp: int) -> None:
-    from megahet.policy.declared_speeds import parse_declared_speeds
-
     h = cfg.hetero
     if h.speeds:
         try:
@@ -295,8 +296,6 @@ def _validate_hetero(cfg: MegahetConfig, world_size: int, dp: int) -> None:
 
 
 def _validate_device(cfg: MegahetConfig, world_size: int) -> None:
-    from megahet.runtime.devices import parse_profile
-
     d = cfg.device
     _require(d.rate_gflops > 0, f"device.rate_gflops must be positive, got {d.rate_gflops}")
     if d.profile:
@@ -307,8 +306,6 @@ def _validate_device(cfg: MegahetConfig, world_size: int) -> None:
 
 
 def _validate_resize(cfg: MegahetConfig, dp: int) -> None:
-    from megahet.policy.resize_planner import parse_block_gammas, parse_migrations, parse_rank_gammas
-
     r = cfg.resize
     try:
         parse_rank_gammas(r.gamma, dp, cfg.parallel.tp)

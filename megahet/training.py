@@ -38,6 +38,7 @@ from megahet.policy.dp_shares import even_shares, replica_loss_scale
 from megahet.run_plan import RunPlan, plan_run
 from megahet.runtime.hook_builder import build_step_hooks
 from megahet.runtime.hooks import StepHook
+from megahet.runtime.resplit import resplit
 from megahet.runtime.timing import CommClock, ComputeTimers, StepTimes
 
 ForwardStep = Callable[[Iterator[dict], torch.nn.Module], tuple[torch.Tensor, Callable]]
@@ -451,8 +452,6 @@ def train_to_end(trainer: Trainer, spec: TaskSpec) -> tuple[Trainer, list[dict[s
     """Train `trainer` to train.train_iters; when the pipeline balancer asks for other layers per stage,
     re-split the stages (checkpoint -> reshard with the optimizer state -> rebuild,
     megahet/runtime/resplit.py) and go on. Returns the last Trainer and the per-step records."""
-    from megahet.runtime.resplit import resplit
-
     logger, layout, extra = trainer.logger, trainer.layout, trainer.extra_hooks
 
     def rebuild(plan: RunPlan, resume: checkpoint.Resume, resplits: int) -> Trainer:

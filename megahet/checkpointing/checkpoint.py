@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
 
+from megahet.checkpointing.optimizer_state import load_into_engine
 from megahet.checkpointing.safe_load import load_file
 from megahet.compat.deepspeed_checkpoint import engine_loads_with, model_states_file
 from megahet.config import ConfigError, MegahetConfig
@@ -484,8 +485,6 @@ def _load_per_parameter(trainer, resume: Resume, resplit: bool = False) -> None:
     """A resharded checkpoint: this TP x PP rank's fp32 masters, Adam moments and step, and the LR
     schedule; RNG streams and step hooks (whose state belongs to the old layout) start fresh, but for
     what a re-split carries over in memory (megahet/runtime/resplit.py)."""
-    from megahet.checkpointing.optimizer_state import load_into_engine
-
     layout, engine = trainer.layout, trainer.engine
     saved = load_file(resume.path / optimizer_file(layout.pp_rank * layout.tp_size + layout.tp_rank))
     load_into_engine(engine, saved)

@@ -42,6 +42,7 @@ from megahet.checkpointing.checkpoint import (
     TOKENIZER,
     save_weights_only,
 )
+from megahet.checkpointing.optimizer_state import TENSOR_KEYS, read_zero_state
 from megahet.checkpointing.safe_load import load_file
 from megahet.compat.deepspeed_checkpoint import model_states_file, zero_fp32_masters, zero_shard_files
 from megahet.config import ConfigError, ModelConfig
@@ -386,8 +387,6 @@ def _optimizer_stages(
 ):
     """The ZeRO optimizer state at TP=tp x PP=pp: [pp_rank][tp_rank] -> {key: {name: tensor}, "step", "lr",
     "lr_scheduler", "global_steps"}."""
-    from megahet.checkpointing.optimizer_state import TENSOR_KEYS, read_zero_state
-
     src_tp, src_pp = src["tp"], src["pp"]
     per_rank = [[read_zero_state(folder, p * src_tp + t) for t in range(src_tp)] for p in range(src_pp)]
     steps = {rank["step"] for stage in per_rank for rank in stage}

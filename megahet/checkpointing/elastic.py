@@ -29,6 +29,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megahet.checkpointing.checkpoint import Resume, describe_layout, find_resume_in, layout_of, per_parameter
+from megahet.checkpointing.convert import reshard_into
 from megahet.config import ConfigError, MegahetConfig
 from megahet.config_checks import validate
 
@@ -113,8 +114,6 @@ def reshard_checkpoint(
     """Rank 0 writes the resharded checkpoint for cfg's TP x PP and `split` into `root` (default
     train.save, else train.load's folder); every rank returns it (all ranks call this after the process
     groups start)."""
-    from megahet.checkpointing.convert import reshard_into
-
     p = cfg.parallel
     written = [None]
     if rank == 0:

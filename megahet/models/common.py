@@ -21,8 +21,14 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megahet.config import MegahetConfig
 from megahet.config_checks import stage_split
+from megahet.models.attention import SDPACoreAttention
 from megahet.platform import cuda_available
 from megahet.policy.stage_split import megatron_layout
+from megahet.tensor_parallel.layers import (
+    ResizableColumnParallelLinear,
+    ResizableRowParallelLinear,
+    ResizableSelfAttention,
+)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -110,8 +116,6 @@ def local_layer_spec(
 ) -> ModuleSpec:
     """megatron-core's local (no Transformer Engine) layer spec with the given attention mask, core
     attention (sdpa: megahet's SDPACoreAttention; local: megatron-core's DotProductAttention) and norm."""
-    from megahet.models.attention import SDPACoreAttention
-
     if attention not in ("sdpa", "local"):
         raise ValueError(f"attention must be sdpa or local, got {attention!r}")
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization))
@@ -128,11 +132,6 @@ def resizable_layer_spec(
     normalization: str = "LayerNorm",
 ) -> ModuleSpec:
     """The local layer spec with megahet's resizable attention and TP linears plugged in."""
-    from megahet.tensor_parallel.layers import (
-        ResizableColumnParallelLinear,
-        ResizableRowParallelLinear,
-        ResizableSelfAttention,
-    )
 
     spec = local_layer_spec(attn_mask_type, attention=attention, normalization=normalization)
     attention_spec, mlp = spec.submodules.self_attention, spec.submodules.mlp

@@ -47,24 +47,39 @@ class DataParallelShares(tuple):
         return len(set(self)) == 1
 
 
-def replica_speeds(rank_speeds: Mapping[RankCoords, float], tp_balanced: bool = True) -> list[float]:
-    """Each replica's speed from its ranks' speeds: a pipeline runs at its slowest stage; a stage's TP
-    group at its mean speed when the TP balancer evens it out (`tp_balanced`), else at its slowest rank."""
+def slowest_groups(
+    rank_speeds: Mapping[RankCoords, float], axis: int, size: int | None = None, tp_balanced: bool = True
+) -> list[float]:
+    """Per index along `axis` of the (dp, pp, tp) coordinates (0: replicas, 1: stages), the speed of its
+    slowest TP group, where a TP group runs at its mean speed when a TP balancer evens it out
+    (`tp_balanced`), else at its slowest rank. `size`: the number of indexes (default: as many as given,
+    numbered 0..N-1). One copy for replicas (a pipeline runs at its slowest stage) and stages (one split
+    serves every replica, so a stage runs at its slowest copy)."""
+    name = ("replica", "stage")[axis]
     if not rank_speeds:
         raise ValueError("no rank speeds given")
     bad = {coords: s for coords, s in rank_speeds.items() if not (s > 0 and math.isfinite(s))}
     if bad:
         raise ValueError(f"speeds must be positive and finite, got {bad}")
-    stages: dict[tuple[int, int], list[float]] = {}
+    groups: dict[tuple[int, int], list[float]] = {}
     for (dp, pp, _tp), speed in rank_speeds.items():
-        stages.setdefault((dp, pp), []).append(speed)
+        groups.setdefault((dp, pp), []).append(speed)
     group = (lambda s: sum(s) / len(s)) if tp_balanced else min
-    replicas: dict[int, float] = {}
-    for (dp, _pp), speeds in stages.items():
-        replicas[dp] = min(replicas.get(dp, math.inf), group(speeds))
-    if sorted(replicas) != list(range(len(replicas))):
-        raise ValueError(f"replicas must be numbered 0..D-1, got {sorted(replicas)}")
-    return [replicas[dp] for dp in range(len(replicas))]
+    slowest: dict[int, float] = {}
+    for key, speeds in groups.items():
+        slowest[key[axis]] = min(slowest.get(key[axis], math.inf), group(speeds))
+    if size is None and sorted(slowest) != list(range(len(slowest))):
+        raise ValueError(f"{name}s must be numbered 0..{'DP'[axis]}-1, got {sorted(slowest)}")
+    missing = [i for i in range(size or 0) if i not in slowest]
+    if missing:
+        raise ValueError(f"no rank speeds for {name}(s) {missing}")
+    return [slowest[i] for i in range(size or len(slowest))]
+
+
+def replica_speeds(rank_speeds: Mapping[RankCoords, float], tp_balanced: bool = True) -> list[float]:
+    """Each replica's speed from its ranks' speeds: a pipeline runs at its slowest stage; a stage's TP
+    group at its mean speed when the TP balancer evens it out (`tp_balanced`), else at its slowest rank."""
+    return slowest_groups(rank_speeds, axis=0, tp_balanced=tp_balanced)
 
 
 def even_shares(num_microbatches: int, dp_size: int) -> DataParallelShares:

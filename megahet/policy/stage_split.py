@@ -27,6 +27,7 @@ import itertools
 import math
 from collections.abc import Iterable, Sequence
 
+from megahet.policy.dp_shares import slowest_groups
 from megahet.policy.flops import output_layer_flops, transformer_layer_flops
 
 
@@ -224,16 +225,7 @@ def stage_speeds(
     """Each stage's speed from its ranks' ((dp, pp, tp) -> speed): a stage's TP group runs at its
     slowest rank (its mean when a TP balancer evens it out), and the split is one for every replica, so
     a stage is as fast as its slowest replica's copy."""
-    groups: dict[tuple[int, int], list[float]] = {}
-    for (dp, stage, _tp), speed in rank_speeds.items():
-        groups.setdefault((stage, dp), []).append(speed)
-    group = (lambda v: sum(v) / len(v)) if tp_balanced else min
-    speeds = [math.inf] * pp
-    for (stage, _dp), values in groups.items():
-        speeds[stage] = min(speeds[stage], group(values))
-    if any(math.isinf(v) for v in speeds):
-        raise ValueError(f"no rank speeds for stage(s) {[s for s, v in enumerate(speeds) if math.isinf(v)]}")
-    return speeds
+    return slowest_groups(rank_speeds, axis=1, size=pp, tp_balanced=tp_balanced)
 
 
 def measured_stage_times(

@@ -44,7 +44,7 @@ from megahet.parallel import ParallelLayout
 from megahet.policy.detector import SpeedEstimator
 from megahet.policy.planner import WorkTarget, balance
 from megahet.runtime.hooks import MeasuringHook, StepContext
-from megahet.runtime.trace_writer import TraceWriter
+from megahet.runtime.trace_writer import TraceWriter, trace_path
 
 
 def compute_efficiency(work: list[float], busy: list[float]) -> float:
@@ -54,11 +54,6 @@ def compute_efficiency(work: list[float], busy: list[float]) -> float:
         return float("nan")
     ideal = sum(work) / sum(w / t for w, t in zip(work, busy))
     return ideal / max(busy)
-
-
-def trace_path(path: str, pp_rank: int, pp_size: int) -> Path:
-    path = Path(path).expanduser()
-    return path if pp_size == 1 else path.with_name(f"{path.stem}_stage{pp_rank}{path.suffix}")
 
 
 class BalanceController(MeasuringHook):
@@ -91,7 +86,9 @@ class BalanceController(MeasuringHook):
         self.trace = None
         """This stage's trace (its first TP rank of DP replica 0 writes it), if one is asked for."""
         if cfg.balance.trace and layout.tp_rank == 0 and layout.dp_rank == 0:
-            self.trace = TraceWriter(trace_path(cfg.balance.trace, layout.pp_rank, layout.pp_size))
+            self.trace = TraceWriter(
+                trace_path(cfg.balance.trace, f"stage{layout.pp_rank}" if layout.pp_size > 1 else None)
+            )
 
     def before_forward_backward(self, step: int) -> None:
         """Fold the last step's gathered measurements in, plan if due, then start measuring this step.
@@ -235,6 +232,6 @@ class BalanceController(MeasuringHook):
 
     def _plot(self, written: Path) -> None:
         """tools/plot_balance.py draws it again."""
-        from megahet.runtime.trace_plot import plot_trace
+        from megahet.runtime.trace_plot import plot_trace  # lazy: matplotlib, only when a trace is drawn
 
         plot_trace(written, written.with_suffix(".png"))

@@ -13,7 +13,8 @@ change the delay because they change the work. Nothing reads the profile or the 
 the balancer measures every rank's own compute (megahet/runtime/timing.py), so emulated and real slowness go
 through one measurement path.
 
-Profiles (`--device.profile`, inline or a YAML/JSON file with the same fields), per TP rank (the same
+Profiles (`--device.profile`, parsed by megahet/policy/speed_profile.py, inline or a YAML/JSON file with
+the same fields), per TP rank (the same
 in every DP replica and pipeline stage), or, for static and schedule profiles listing one speed per
 global rank, over the whole mesh (a slow replica, a slow node):
 
@@ -29,119 +30,16 @@ global rank, over the whole mesh (a slow replica, a slow node):
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-import numpy as np
 import torch
-import yaml
 
 from megahet.platform import cuda_available, synchronize
+from megahet.policy.speed_profile import SpeedProfile
 from megahet.runtime.hooks import StepHook
 from megahet.runtime.timing import CommClock
 from megahet.tensor_parallel.blocks import find_blocks
-
-
-@dataclasses.dataclass(frozen=True)
-class SpeedProfile:
-    """Speed of each TP rank at each step (1 = nominal)."""
-
-    kind: str
-    speeds: tuple[float, ...] = ()
-    schedule: tuple[tuple[int, tuple[float, ...]], ...] = ()
-    slowdown: float = 1.0
-    period: int = 1
-    seed: int = 0
-
-    def speed(self, tp_rank: int, step: int, tp_size: int) -> float:
-        if self.kind == "static":
-            return self.speeds[tp_rank]
-        if self.kind == "schedule":
-            current = self.schedule[0][1]
-            for start, speeds in self.schedule:
-                if step >= start:
-                    current = speeds
-            return current[tp_rank]
-        episode = step // self.period
-        if self.kind == "rotating":
-            return 1.0 / self.slowdown if episode % tp_size == tp_rank else 1.0
-        rng = np.random.default_rng((self.seed, episode, tp_rank))  # contention
-        return 1.0 / self.slowdown if rng.random() < 0.5 else 1.0
-
-    @property
-    def width(self) -> int | None:
-        """How many ranks a static or schedule profile lists (None: rotating and contention, per TP rank)."""
-        if self.kind == "static":
-            return len(self.speeds)
-        return len(self.schedule[0][1]) if self.kind == "schedule" else None
-
-    def check(self, tp_size: int, world_size: int | None = None) -> None:
-        """A static or schedule profile lists one speed per TP rank or one per global rank, at every step."""
-        if self.kind not in ("static", "schedule"):
-            return
-        widths = {len(self.speeds)} if self.kind == "static" else {len(s) for _, s in self.schedule}
-        allowed = {tp_size, world_size or tp_size}
-        if len(widths) > 1 or not widths <= allowed:
-            raise ValueError(
-                f"device profile lists {sorted(widths)} speeds, but the TP group has {tp_size} ranks"
-                + (f" and the world {world_size}" if world_size else "")
-                + ": list one speed per TP rank (every replica and stage alike) or one per global rank"
-            )
-
-    def index(self, tp_rank: int, tp_size: int, rank: int, world_size: int) -> tuple[int, int]:
-        """(which entry, of how many) this rank runs at: its global rank when the profile lists the whole
-        world (a slow replica, a slow node), else its TP rank."""
-        if self.width == world_size != tp_size:
-            return rank, world_size
-        return tp_rank, tp_size
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    values = tuple(float(x) for x in text.split(","))
-    if any(v <= 0 for v in values):
-        raise ValueError("speeds must be positive")
-    return values
-
-
-def parse_profile(spec: str) -> SpeedProfile:
-    """An inline profile ('kind:args') or a YAML/JSON file {kind, speeds | schedule | slowdown, period, seed}."""
-    path = Path(spec).expanduser()
-    try:
-        if path.suffix in (".yaml", ".yml", ".json") and path.is_file():
-            data = (json.loads if path.suffix == ".json" else yaml.safe_load)(path.read_text())
-            schedule = tuple(
-                (int(k), tuple(float(x) for x in v)) for k, v in sorted((data.get("schedule") or {}).items())
-            )
-            return SpeedProfile(
-                kind=data["kind"],
-                speeds=tuple(float(x) for x in data.get("speeds", ())),
-                schedule=schedule,
-                slowdown=float(data.get("slowdown", 1.0)),
-                period=int(data.get("period", 1)),
-                seed=int(data.get("seed", 0)),
-            )
-        kind, _, args = spec.partition(":")
-        if kind == "static":
-            return SpeedProfile("static", speeds=_floats(args))
-        if kind == "schedule":
-            parts = [p.partition("=") for p in args.split(";")]
-            return SpeedProfile("schedule", schedule=tuple(sorted((int(s), _floats(v)) for s, _, v in parts)))
-        if kind in ("rotating", "contention"):
-            fields = args.split(",")
-            slowdown, period = float(fields[0]), int(fields[1])
-            seed = int(fields[2]) if len(fields) > 2 else 0
-            if slowdown < 1 or period < 1:
-                raise ValueError("slowdown must be >= 1 and period >= 1")
-            return SpeedProfile(kind, slowdown=slowdown, period=period, seed=seed)
-    except (ValueError, KeyError, IndexError, TypeError) as err:
-        raise ValueError(f"bad device profile {spec!r}: {err}") from None
-    raise ValueError(
-        f"bad device profile {spec!r}: use static:S0,S1,..., schedule:STEP=S0,...;STEP=..., "
-        f"rotating:SLOWDOWN,PERIOD, contention:SLOWDOWN,PERIOD[,SEED], or a YAML/JSON file"
-    )
 
 
 class VirtualDevice:

@@ -32,27 +32,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from megahet.config import MegahetConfig
 from megahet.parallel import ParallelLayout
 from megahet.policy.detector import SpeedEstimator
 from megahet.policy.dp_shares import RankCoords, dp_shares, replica_speeds
 from megahet.runtime.hooks import MeasuringHook, StepContext
-from megahet.runtime.trace_writer import TraceWriter
-
-
-def rank_coords(layout: ParallelLayout) -> list[RankCoords]:
-    """(dp, pp, tp) of every global rank, in rank order (one all-gather at start-up)."""
-    mine = torch.tensor([layout.dp_rank, layout.pp_rank, layout.tp_rank], dtype=torch.int64)
-    rows = [torch.empty_like(mine) for _ in range(layout.world_size)]
-    dist.all_gather(rows, mine)
-    return [tuple(int(x) for x in row) for row in rows]
-
-
-def dp_trace_path(path: str) -> Path:
-    path = Path(path).expanduser()
-    return path.with_name(f"{path.stem}_dp{path.suffix}")
+from megahet.runtime.trace_writer import TraceWriter, trace_path
 
 
 class DataParallelBalancer(MeasuringHook):
@@ -82,7 +68,9 @@ class DataParallelBalancer(MeasuringHook):
         self.changes = 0
         self._due = False
         self.trace = (
-            TraceWriter(dp_trace_path(cfg.balance.trace)) if cfg.balance.trace and layout.rank == 0 else None
+            TraceWriter(trace_path(cfg.balance.trace, "dp"))
+            if cfg.balance.trace and layout.rank == 0
+            else None
         )
 
     def before_forward_backward(self, step: int) -> None:
@@ -194,6 +182,6 @@ class DataParallelBalancer(MeasuringHook):
             self.trace.resume_from = self.step + 1
 
     def _plot(self, written: Path) -> None:
-        from megahet.runtime.trace_plot import plot_dp_trace
+        from megahet.runtime.trace_plot import plot_dp_trace  # lazy: matplotlib, only when a trace is drawn
 
         plot_dp_trace(written, written.with_suffix(".png"))

@@ -27,14 +27,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from megahet.parallel import mesh_coords
+from megahet.policy.speed_profile import parse_profile
 from megahet.run_plan import RunPlan
+from megahet.runtime.balancer import BalanceController
+from megahet.runtime.devices import DeviceStepHook, VirtualDevice, attach_virtual_device
+from megahet.runtime.dp_balancer import DataParallelBalancer
 from megahet.runtime.hooks import StepHook
+from megahet.runtime.packing import PackingController
+from megahet.runtime.pp_balancer import PipelineBalancer
+from megahet.runtime.resizer import ResizeController
 from megahet.runtime.timing import time_layers
 
 
 def _virtual_device(plan: RunPlan, trainer) -> StepHook:
-    from megahet.runtime.devices import DeviceStepHook, VirtualDevice, attach_virtual_device, parse_profile
-
     cfg, layout = plan.cfg, trainer.layout
     profile = parse_profile(cfg.device.profile)
     index, width = profile.index(layout.tp_rank, layout.tp_size, layout.rank, layout.world_size)
@@ -44,13 +49,16 @@ def _virtual_device(plan: RunPlan, trainer) -> StepHook:
 
 
 def _rank_coords(trainer) -> list:
-    """Every rank's (dp, pp, tp), checked to be the order the plan assumed (megatron-core's tp-dp-pp)."""
-    from megahet.runtime.dp_balancer import rank_coords
-
+    """Every rank's (dp, pp, tp) as the plan assumed (megatron-core's tp-dp-pp order), checked against
+    this rank's own place in megatron-core's groups (no collective: each rank checks itself)."""
     layout = trainer.layout
-    coords = rank_coords(layout)
-    if coords != mesh_coords(layout.world_size, layout.tp_size, layout.pp_size):
-        raise RuntimeError(f"megatron-core's rank order is not tp-dp-pp: {coords}")
+    coords = mesh_coords(layout.world_size, layout.tp_size, layout.pp_size)
+    mine = (layout.dp_rank, layout.pp_rank, layout.tp_rank)
+    if coords[layout.rank] != mine:
+        raise RuntimeError(
+            f"megatron-core placed rank {layout.rank} at (dp, pp, tp) {mine}, not {coords[layout.rank]}: its "
+            "rank order is not tp-dp-pp"
+        )
     return coords
 
 
@@ -65,27 +73,17 @@ def build_step_hooks(
     coords = _rank_coords(trainer) if (h.speeds or h.active or h.pp_active) else None
     pp_balancer = dp_balancer = balancer = resizer = device = packing = None
     if pipeline:
-        from megahet.runtime.pp_balancer import PipelineBalancer
-
         pp_balancer = PipelineBalancer(cfg, layout, plan.split, trainer, coords, resplits)
     if h.active:  # declared shares are measured and reported too, but never re-planned
-        from megahet.runtime.dp_balancer import DataParallelBalancer
-
         dp_balancer = DataParallelBalancer(cfg, layout, trainer, coords, packed=trainer.task.packed)
     if cfg.resize.active or cfg.balance.active:
-        from megahet.runtime.resizer import ResizeController
-
         num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.dp_size)
         resizer = ResizeController(cfg, model, layout, num_microbatches)
     if cfg.balance.active:
-        from megahet.runtime.balancer import BalanceController
-
         balancer = BalanceController(cfg, layout, resizer, trainer)
     if cfg.device.profile:
         device = _virtual_device(plan, trainer)
     if trainer.task.packed:
-        from megahet.runtime.packing import PackingController
-
         packing = PackingController(cfg, trainer, layout, trainer.task, trainer.logger)
     if cfg.balance.active or pipeline:  # the balancers read the transformer layers' own compute
         time_layers(model, trainer.clock)

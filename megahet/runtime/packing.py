@@ -52,14 +52,7 @@ from megahet.policy.cost_fit import (
 )
 from megahet.policy.packing import DocCost
 from megahet.runtime.hooks import MeasuringHook, StepContext
-from megahet.runtime.trace_writer import TraceWriter
-
-
-def packing_trace_path(path: str) -> Path:
-    """run.jsonl -> run_packing.jsonl (beside the balancers' traces)."""
-    path = Path(path).expanduser()
-    return path.with_name(f"{path.stem}_packing{path.suffix}")
-
+from megahet.runtime.trace_writer import TraceWriter, trace_path
 
 BACKWARD_FACTOR = 3.0
 """Forward + backward over forward, for the start-up profile (refined from measured steps)."""
@@ -151,7 +144,7 @@ class PackingController(MeasuringHook):
         self.plan_stats: dict[str, float] = {}
         """The last step's plan: slowest / mean predicted micro-batch, padding fraction at the token cap."""
         self.trace = (
-            TraceWriter(packing_trace_path(cfg.balance.trace))
+            TraceWriter(trace_path(cfg.balance.trace, "packing"))
             if cfg.balance.trace and layout.rank == 0
             else None
         )
@@ -286,7 +279,9 @@ class PackingController(MeasuringHook):
         }
 
     def _plot(self, written: Path) -> None:
-        from megahet.runtime.trace_plot import plot_packing_trace
+        from megahet.runtime.trace_plot import (
+            plot_packing_trace,  # lazy: matplotlib, only when a trace is drawn
+        )
 
         plot_packing_trace(written, written.with_suffix(".png"))
 

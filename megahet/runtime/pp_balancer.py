@@ -41,12 +41,7 @@ from megahet.parallel import ParallelLayout
 from megahet.policy.dp_shares import RankCoords
 from megahet.policy.stage_split import measured_stage_times, next_split
 from megahet.runtime.hooks import MeasuringHook, StepContext
-from megahet.runtime.trace_writer import TraceWriter
-
-
-def pp_trace_path(path: str) -> Path:
-    path = Path(path).expanduser()
-    return path.with_name(f"{path.stem}_pp{path.suffix}")
+from megahet.runtime.trace_writer import TraceWriter, trace_path
 
 
 class PipelineBalancer(MeasuringHook):
@@ -74,7 +69,9 @@ class PipelineBalancer(MeasuringHook):
         """Decisions in a row that asked for `proposal`."""
         self.requested: tuple[int, ...] | None = None
         self.trace = (
-            TraceWriter(pp_trace_path(cfg.balance.trace)) if cfg.balance.trace and layout.rank == 0 else None
+            TraceWriter(trace_path(cfg.balance.trace, "pp"))
+            if cfg.balance.trace and layout.rank == 0
+            else None
         )
 
     def before_forward_backward(self, step: int) -> None:
@@ -163,6 +160,6 @@ class PipelineBalancer(MeasuringHook):
         return out
 
     def _plot(self, written: Path) -> None:
-        from megahet.runtime.trace_plot import plot_pp_trace
+        from megahet.runtime.trace_plot import plot_pp_trace  # lazy: matplotlib, only when a trace is drawn
 
         plot_pp_trace(written, written.with_suffix(".png"))

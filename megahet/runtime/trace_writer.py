@@ -2,7 +2,7 @@
 
 Role: runtime (reporting: the balancers' per-step traces, `--balance.trace`).
 
-    trace = TraceWriter(Path("run.jsonl"))
+    trace = TraceWriter(trace_path("run.jsonl", "dp"))   # run_dp.jsonl
     trace.resume_from = 11          # a resumed run: keep the saved run's rows of steps < 11
     trace.write({"step": 11, ...})  # opens the file at its first row
     trace.close()                   # -> the path, or None when nothing was written
@@ -16,6 +16,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+
+
+def trace_path(path: str, tag: str | None) -> Path:
+    """`--balance.trace run.jsonl` -> the trace of one writer: run_<tag>.jsonl (dp, pp, packing, stage1
+    ...), or run.jsonl itself when tag is None (the TP balancer's trace without pipeline stages)."""
+    path = Path(path).expanduser()
+    return path if tag is None else path.with_name(f"{path.stem}_{tag}{path.suffix}")
 
 
 class TraceWriter:

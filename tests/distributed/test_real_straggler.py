@@ -69,6 +69,35 @@ OUTSIDE_LOAD = 3.0
 the calm phase (the two ranks alone load them by about 2): the ranks then look uneven by chance."""
 
 
+def _busy_processes(seconds: float = 2.0) -> float:
+    """Other processes running or waiting to run, on average over `seconds` (/proc/loadavg's runnable
+    count, this reader excluded): 0 on an idle machine, whatever ran a minute ago."""
+    samples = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        with open("/proc/loadavg") as f:
+            samples.append(int(f.read().split()[3].split("/")[0]) - 1)
+        time.sleep(0.1)
+    return statistics.mean(samples)
+
+
+def _wait_until_quiet(limit_s: float = 30.0) -> None:
+    """Before a calm phase: wait (up to limit_s) until no other process competes for the cores; say so
+    on stdout (the test log) when it waited, or when the machine stayed busy (the calm checks are then
+    relaxed by `_calm_was_disturbed`, which reads the load over the calm phase itself)."""
+    start = time.monotonic()
+    busy = _busy_processes()
+    while busy >= 1.0 and time.monotonic() - start < limit_s:
+        busy = _busy_processes()
+    waited = time.monotonic() - start
+    if busy >= 1.0:
+        print(
+            f"machine still busy after {waited:.0f} s ({busy:.1f} other runnable processes): starting anyway"
+        )
+    elif waited > 2.5:
+        print(f"waited {waited:.0f} s for the machine to be quiet before the calm phase")
+
+
 def _calm_was_disturbed(extra: str) -> bool:
     """Whether outside load disturbed the run's calm phase; says so on stdout (the test log) if it did."""
     load = CALM_LOAD.get(extra, 0.0)
@@ -85,6 +114,7 @@ def _contended_run(out, gpt_data, extra: str) -> tuple[list[dict], int]:
     if cores is None:
         skip_or_fail("needs two CPU cores to pin the two ranks to (os.sched_getaffinity)")
     metrics = out / "metrics.jsonl"
+    _wait_until_quiet()
     args = [
         str(REPO / "pretrain_gpt.py"),
         *GPT_MODEL,
@@ -122,19 +152,23 @@ def _lines(path) -> list[str]:
 
 
 def test_no_straggler_measured_speeds_agree_and_nothing_moves(records):
+    """Calm, the two ranks measure within the healthy gap and nothing moves. Another process on the
+    pinned cores during the calm phase (a busy shared machine: `_calm_was_disturbed` says so in the log)
+    is contention too: then the speeds need only agree within twice the gap, and a move is allowed."""
     rows, contended_from = records
     calm = [r for r in rows if 3 <= r["step"] <= contended_from]
     assert calm
+    disturbed = _calm_was_disturbed(TP_BALANCE)
     for r in calm:
-        assert min(r["speed_tp0"], r["speed_tp1"]) > 1 - TP_HEALTHY_GAP, r
-        assert r["plan_changes_max"] == 0 and r["moved_tp1"] == 0.0
+        assert min(r["speed_tp0"], r["speed_tp1"]) > 1 - (2 if disturbed else 1) * TP_HEALTHY_GAP, r
+        assert disturbed or (r["plan_changes_max"] == 0 and r["moved_tp1"] == 0.0), r
 
 
 def test_contended_rank_is_detected_and_work_migrates_within_a_few_steps(records):
     rows, contended_from = records
     by_step = {r["step"]: r for r in rows}
     moved = next(s for s in range(contended_from + 1, STEPS + 1) if by_step[s]["moved_tp1"] > 0)
-    assert moved <= contended_from + 6, (moved, contended_from)
+    assert moved <= contended_from + (12 if _calm_was_disturbed(TP_BALANCE) else 6), (moved, contended_from)
     late = [by_step[s] for s in range(moved + 3, STEPS + 1)]
     # The competing process takes about half of rank 1's core: its measured speed says so.
     assert statistics.median(r["speed_tp1"] for r in late) < 0.8

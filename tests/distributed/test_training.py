@@ -238,7 +238,7 @@ def test_uneven_stages_match_dp1(reference8: dict, gpt_data: list[str], tmp_path
 # Re-splitting at run time (hetero.pp_split=measured): a virtual device (sleeps only: the numbers are the
 # real run's) makes one rank of stage 1 four times slower over steps SLOW_FROM..SLOW_UNTIL-1. With one
 # sample per decision (hetero.window 1) and pp_patience 2, the balancer asks for 7,1 (stage 1's one
-# layer takes 4, stage 0's seven take 7: the best any split reaches) at the start of step SLOW_FROM + 2;
+# layer takes 4, stage 0's seven take 7: the best any split reaches; 6,2 is within 15 %) within 4 steps;
 # that step runs, the stages are re-split (checkpoint -> reshard with the optimizer state -> rebuild) and
 # training goes on. Two steps after the recovery it asks for 4,4 again. healthy_gap 0.2: calm stages
 # measure within a few percent, and noise must move no layer.
@@ -263,7 +263,7 @@ def test_resplit_at_run_time_keeps_the_loss_curve(reference8: dict, gpt_data: li
     """Mid-run re-splits move layers with their optimizer state: the run follows the single-rank run
     (losses, grad norms, final weights) while its layers move to the fast stage and back.
     - PP=2 x DP=2: replica 1's copy of stage 1 is slow (one split serves both replicas); the stages go
-      4,4 -> 7,1 within 4 steps of the slowdown and back to 4,4 within 4 steps of the recovery;
+      4,4 -> 7,1 or 6,2 within 4 steps of the slowdown and back to 4,4 within 4 steps of the recovery;
     - TP=2 x PP=2 with the TP balancer (migrate) inside every stage: TP rank 1 of stage 1 is slow to the
       end; the stage keeps fewer layers, and the TP plan (per-rank work fractions) crosses the re-split:
       the rebuilt stage runs balanced from its first step (measured 0.61 of stage 0's speed per layer;
@@ -285,7 +285,11 @@ def test_resplit_at_run_time_keeps_the_loss_curve(reference8: dict, gpt_data: li
     splits = _splits(tmp_path / "pp2dp2_pp.jsonl")
     moved = min(s for s, split in splits.items() if split != (4, 4))
     back = min(s for s, split in splits.items() if s > moved and split == (4, 4))
-    assert splits[moved] == (7, 1) and SLOW_FROM < moved <= SLOW_FROM + 4, splits
+    # Margins from the emulated speeds, not an exact split: stage 1 runs at 1/4, so 7,1 (slowest stage 7
+    # layer-times) and 6,2 (8) are within 15 % of each other, which a one-step window on 4 ranks sharing
+    # 2 cores may confuse; any split leaving stage 1 three or more layers (>= 12) is far off.
+    assert splits[moved][1] <= 2 and SLOW_FROM < moved <= SLOW_FROM + 4, splits
+    assert all(splits[s][1] <= 2 for s in range(moved, SLOW_UNTIL)), splits
     assert SLOW_UNTIL < back <= SLOW_UNTIL + 4 and all(splits[s] == (4, 4) for s in range(back, STEPS)), (
         splits
     )

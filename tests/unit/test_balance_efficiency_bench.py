@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.balance_efficiency import Profile, profiles, reaction, straggler
-from megahet.runtime.devices import parse_profile
+from megahet.policy.speed_profile import parse_profile
 
 
 def test_twin_gives_every_rank_the_profiles_mean_speed_at_every_step():

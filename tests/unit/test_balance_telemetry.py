@@ -8,7 +8,8 @@ import json
 import pytest
 
 from megahet.logging import format_console_line
-from megahet.runtime.balancer import compute_efficiency, trace_path
+from megahet.runtime.balancer import compute_efficiency
+from megahet.runtime.trace_writer import trace_path
 from megahet.tensor_parallel.plan import ResizePlan
 from tools import plot_balance
 
@@ -52,9 +53,10 @@ def test_plan_unit_fractions_count_dropped_sent_and_hosted():
     assert plan.unit_fractions(units, 1, 3)["sent"] == [0.0, 1 / 16, 0.0]  # the other DP replica
 
 
-def test_trace_path_per_pipeline_stage(tmp_path):
-    assert trace_path(str(tmp_path / "t.jsonl"), 0, 1) == tmp_path / "t.jsonl"
-    assert trace_path(str(tmp_path / "t.jsonl"), 1, 2) == tmp_path / "t_stage1.jsonl"
+def test_trace_path_per_writer(tmp_path):
+    assert trace_path(str(tmp_path / "t.jsonl"), None) == tmp_path / "t.jsonl"
+    assert trace_path(str(tmp_path / "t.jsonl"), "stage1") == tmp_path / "t_stage1.jsonl"
+    assert trace_path(str(tmp_path / "t.jsonl"), "dp") == tmp_path / "t_dp.jsonl"
 
 
 def _row(step: int, slow: bool) -> dict:

@@ -10,13 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megahet.runtime.devices import (
-    DeviceStepHook,
-    SpeedProfile,
-    VirtualDevice,
-    attach_virtual_device,
-    parse_profile,
-)
+from megahet.policy.speed_profile import SpeedProfile, parse_profile
+from megahet.runtime.devices import DeviceStepHook, VirtualDevice, attach_virtual_device
 from megahet.runtime.timing import CommClock
 from megahet.tensor_parallel.executor import ResizeExecutor
 from megahet.tensor_parallel.plan import ResizePlan

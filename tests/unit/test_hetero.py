@@ -20,7 +20,8 @@ from megahet.config_checks import validate
 from megahet.data.sampling import micro_batches
 from megahet.logging import format_console_line
 from megahet.policy.declared_speeds import parse_declared_speeds
-from megahet.runtime.devices import VirtualDevice, parse_profile
+from megahet.policy.speed_profile import parse_profile
+from megahet.runtime.devices import VirtualDevice
 
 # --- declared speeds ---------------------------------------------------------------------------------
 

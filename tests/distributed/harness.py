@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -368,3 +369,54 @@ def compare_updates(
             max_ratio, worst = ratio, name
     REPORT.append((test, what, max_abs, max_ratio, max_ratio / rel, worst))
     return max_abs
+
+
+def start_from_copy(source: Path, run: Path, tag: str = "iter_0000004") -> None:
+    """A new checkpoint folder `run` whose latest is a copy of `source`'s checkpoint `tag` (a run that
+    resumes from another run's step, then saves its own)."""
+    run.mkdir()
+    shutil.copytree(source / tag, run / tag)
+    (run / "latest").write_text(tag)
+
+
+def full_and_killed_runs(
+    out: Path,
+    variants,
+    job: Callable[[str, str, bool], list[str]],
+    common: list[str],
+    killed_rank: Callable[[int], int],
+) -> str:
+    """Kill-and-resume runs of workers/ckpt_train.py on 4 ranks: one launch runs `full_<v>` for every
+    variant v, uninterrupted; a second runs `ck_<v>` from a copy of full_<v>'s step-4 checkpoint under
+    torchrun --max_restarts, where in attempt k rank killed_rank(k) SIGKILLs itself in the middle of step
+    10 of the k-th variant, every rank restarts and the run resumes from its own latest checkpoint.
+    `job(name, variant, load)`: that run's --job arguments. Returns the second launch's output."""
+    full = [arg for v in variants for arg in job(f"full_{v}", v, False)]
+    torchrun("workers/ckpt_train.py", 4, ["--out", str(out), *full, *common], cwd=out, timeout=400)
+    resumed, faults = [], []
+    for k, v in enumerate(variants):
+        start_from_copy(out / f"full_{v}", out / f"ck_{v}")
+        resumed += job(f"ck_{v}", v, True)
+        faults += ["--fault", f"ck_{v}:10:{killed_rank(k)}"]
+    return launch(
+        lambda port: [[*torchrun_cmd(4, port), f"--max_restarts={len(variants)}", "--monitor_interval=0.5"]],
+        "workers/ckpt_train.py",
+        4,
+        ["--out", str(out), *faults, *resumed, *common],
+        cwd=out,
+        timeout=600,
+    )[0]
+
+
+def compare_resumed(test: str, full: dict, resumed: dict, steps: range) -> None:
+    """A killed-and-resumed run's per-step loss, gradient norm and LR over `steps` and its final
+    validation loss equal the uninterrupted run's (1e-6 relative; measured: bit for bit)."""
+    for key in ("loss", "grad_norm", "lr"):
+        actual = torch.tensor([resumed[s][key] for s in steps], dtype=torch.float64)
+        expected = torch.tensor([full[s][key] for s in steps], dtype=torch.float64)
+        compare(test, f"{key}, steps {steps.start}..{steps.stop - 1}", actual, expected, rtol=1e-6, atol=0)
+    last = steps.stop - 1
+    compare(
+        test, "final val_loss", torch.tensor(resumed[last]["val_loss"]), torch.tensor(full[last]["val_loss"]),
+        rtol=1e-6, atol=0,
+    )  # fmt: skip

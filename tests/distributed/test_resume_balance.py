@@ -21,14 +21,18 @@ Run: ``python -m pytest tests/distributed/test_resume_balance.py -q``
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from harness import GPT_MODEL, compare, launch, read_records, short_run, torchrun, torchrun_cmd
+from harness import (
+    GPT_MODEL,
+    compare_resumed,
+    full_and_killed_runs,
+    read_records,
+    short_run,
+)
 
-STEPS, KILL_STEP = 12, 10
+STEPS, KILL_STEP = 12, 10  # full_and_killed_runs kills in step 10
 MODES = ("static", "resize", "migrate", "semi")
 COMMON = [
     *GPT_MODEL,
@@ -53,23 +57,11 @@ def _job(name: str, mode: str, out: Path, save: str, load: str | None = None) ->
 def runs(tmp_path_factory: pytest.TempPathFactory, gpt_data: list[str]) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("resume_balance")
     common = ["--", *COMMON, *gpt_data]
-    full = [arg for mode in MODES for arg in _job(f"full_{mode}", mode, out, f"full_{mode}")]
-    torchrun("workers/ckpt_train.py", 4, ["--out", str(out), *full, *common], cwd=out, timeout=400)
-    resumed, faults = [], []
-    for k, mode in enumerate(MODES):
-        (out / f"ck_{mode}").mkdir()
-        shutil.copytree(out / f"full_{mode}" / "iter_0000004", out / f"ck_{mode}" / "iter_0000004")
-        (out / f"ck_{mode}" / "latest").write_text("iter_0000004")
-        resumed += _job(f"ck_{mode}", mode, out, f"ck_{mode}", load=f"ck_{mode}")
-        faults += ["--fault", f"ck_{mode}:{KILL_STEP}:{k}"]  # a different rank each time
-    output = launch(
-        lambda port: [[*torchrun_cmd(4, port), "--max_restarts=4", "--monitor_interval=0.5"]],
-        "workers/ckpt_train.py",
-        4,
-        ["--out", str(out), *faults, *resumed, *common],
-        cwd=out,
-        timeout=600,
-    )[0]
+
+    def job(name: str, mode: str, load: bool) -> list[str]:
+        return _job(name, mode, out, name, load=name if load else None)
+
+    output = full_and_killed_runs(out, MODES, job, common, killed_rank=lambda k: k)  # a different rank each
     return out, output
 
 
@@ -97,15 +89,4 @@ def test_kill_and_resume_is_exact(runs, mode: str) -> None:
             f"{mode}: the executed plan differs"
         )
         assert any(v != 0 for values in plan.values() for v in values), f"{mode}: the balancer never acted"
-    for key in ("loss", "grad_norm", "lr"):
-        actual = torch.tensor([resumed[s][key] for s in steps], dtype=torch.float64)
-        expected = torch.tensor([full[s][key] for s in steps], dtype=torch.float64)
-        compare(f"kill_resume_{mode}", f"{key}, steps 5..{STEPS}", actual, expected, rtol=1e-6, atol=0)
-    compare(
-        f"kill_resume_{mode}",
-        "final val_loss",
-        torch.tensor(resumed[STEPS]["val_loss"]),
-        torch.tensor(full[STEPS]["val_loss"]),
-        rtol=1e-6,
-        atol=0,
-    )
+    compare_resumed(f"kill_resume_{mode}", full, resumed, range(5, STEPS + 1))

@@ -19,14 +19,19 @@ Run: ``python -m pytest tests/distributed/test_resume_measured.py -q`` (about 2 
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from harness import GPT_MODEL, compare, launch, read_records, short_run, torchrun, torchrun_cmd
+from harness import (
+    GPT_MODEL,
+    compare_resumed,
+    full_and_killed_runs,
+    read_records,
+    short_run,
+)
 
-STEPS, KILL_STEP, SLOW_FROM = 12, 10, 5
+STEPS, KILL_STEP, SLOW_FROM = 12, 10, 5  # full_and_killed_runs kills in step 10
 SEED = 1234  # train.seed's default
 COMMON = [
     *GPT_MODEL,
@@ -57,23 +62,11 @@ def _job(name: str, job: str, out: Path, load: bool = False) -> list[str]:
 def runs(tmp_path_factory: pytest.TempPathFactory, gpt_data: list[str]) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("resume_measured")
     common = ["--", *COMMON, *gpt_data]
-    full = [arg for job in JOBS for arg in _job(f"full_{job}", job, out)]
-    torchrun("workers/ckpt_train.py", 4, ["--out", str(out), *full, *common], cwd=out, timeout=400)
-    resumed, faults = [], []
-    for k, job in enumerate(JOBS):
-        (out / f"ck_{job}").mkdir()
-        shutil.copytree(out / f"full_{job}" / "iter_0000004", out / f"ck_{job}" / "iter_0000004")
-        (out / f"ck_{job}" / "latest").write_text("iter_0000004")
-        resumed += _job(f"ck_{job}", job, out, load=True)
-        faults += ["--fault", f"ck_{job}:{KILL_STEP}:{k + 1}"]  # a different rank each time
-    output = launch(
-        lambda port: [[*torchrun_cmd(4, port), "--max_restarts=2", "--monitor_interval=0.5"]],
-        "workers/ckpt_train.py",
-        4,
-        ["--out", str(out), *faults, *resumed, *common],
-        cwd=out,
-        timeout=600,
-    )[0]
+
+    def job(name: str, variant: str, load: bool) -> list[str]:
+        return _job(name, variant, out, load=load)
+
+    output = full_and_killed_runs(out, JOBS, job, common, killed_rank=lambda k: k + 1)
     return out, output
 
 
@@ -98,18 +91,7 @@ def test_kill_and_resume_is_exact(runs, job: str) -> None:
     assert plan == [tuple(full[s][k] for k in PLAN_KEYS[job]) for s in steps], f"{job}: the plan differs"
     even = plan[0]
     assert len(set(even)) == 1 and plan[-1] != even, f"{job}: the plan never moved off even: {plan}"
-    for key in ("loss", "grad_norm", "lr"):
-        actual = torch.tensor([resumed[s][key] for s in steps], dtype=torch.float64)
-        expected = torch.tensor([full[s][key] for s in steps], dtype=torch.float64)
-        compare(f"kill_resume_{job}", f"{key}, steps 5..{STEPS}", actual, expected, rtol=1e-6, atol=0)
-    compare(
-        f"kill_resume_{job}",
-        "final val_loss",
-        torch.tensor(resumed[STEPS]["val_loss"]),
-        torch.tensor(full[STEPS]["val_loss"]),
-        rtol=1e-6,
-        atol=0,
-    )
+    compare_resumed(f"kill_resume_{job}", full, resumed, range(5, STEPS + 1))
 
 
 @pytest.mark.parametrize("job", JOBS)

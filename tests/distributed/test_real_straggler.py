@@ -180,7 +180,8 @@ def test_slow_compute_falls_once_the_plan_changes(records):
     the plan controls. The step time is a speed goal, measured side by side by
     benchmarks/real_contention.py (migrate 0.978 of the ideal speed-up), not asserted here: the gain is
     ~10 % on this 2-core machine (the contended rank's collectives, optimizer step and transfers slow
-    down too, and no plan moves those), within the noise of the two unbalanced steps a test can see.
+    down too, and no plan moves those), within the noise of the two unbalanced steps a test can see: the
+    test asserts the direction with a 3 % margin and the balance (balance_eff) itself.
 
     The unbalanced steps are those after the contention started and before the plan changed: the
     balancer can react as early as the second (CI saw it), and the first may be only partly contended,
@@ -192,7 +193,11 @@ def test_slow_compute_falls_once_the_plan_changes(records):
     balanced = [by_step[s] for s in range(moved + 3, STEPS + 1)]
     assert unbalanced, (contended_from, moved)
     worst_compute = max(r["compute_max_s"] for r in unbalanced)
-    assert statistics.median(r["compute_max_s"] for r in balanced) < 0.9 * worst_compute
+    after = statistics.median(r["compute_max_s"] for r in balanced)
+    print(f"slowest rank's compute: worst unbalanced {worst_compute:.3f} s, balanced median {after:.3f} s")
+    # Direction with a margin, not the size of the gain: the contended rank's share of its core varies
+    # with whatever else runs (CI measured falls of 5-15 %); the balance itself is asserted below.
+    assert after < 0.97 * worst_compute
     assert min(r["balance_eff"] for r in unbalanced) < 0.8
     assert statistics.median(r["balance_eff"] for r in balanced) > 0.9
 

@@ -93,16 +93,13 @@ def _starting_shares(
 ) -> tuple[DataParallelShares | None, tuple[float, ...] | None]:
     """(shares, replica speeds) at step 0: even, or from the declared speeds when the shares are planned."""
     t, h = cfg.train, cfg.hetero
-    if packed:
-        if not (speeds and h.active):
-            return None, None
-        per_replica = replica_speeds(speeds, tp_balanced=cfg.balance.plans)
-        return None, tuple(s / max(per_replica) for s in per_replica)
     total = t.global_batch_size // t.micro_batch_size
     if not (speeds and h.active):
-        return even_shares(total, dp), None
+        return (None, None) if packed else (even_shares(total, dp), None)
     # A TP balancer evens each TP group out; without one a replica runs at its slowest rank.
     per_replica = replica_speeds(speeds, tp_balanced=cfg.balance.plans)
+    if packed:
+        return None, tuple(s / max(per_replica) for s in per_replica)
     return dp_shares(per_replica, total, healthy_gap=h.healthy_gap), None
 
 
@@ -122,7 +119,7 @@ def plan_run(cfg: MegahetConfig, spec, world_size: int | None = None) -> RunPlan
     dp = validate(cfg, world)
     spec.preflight(cfg)
     speeds = declared_by_coords(cfg, world)
-    split = starting_split(cfg, speeds, spec.vocab_size(cfg), resume)
+    split = starting_split(cfg, speeds, spec.vocab_size(cfg), resume)  # after preflight: inputs checked
     reshard = full and needs_reshard(resume, cfg, world, split)
     notes = [resume.note] if resume is not None and resume.note else []
     if resume is not None:

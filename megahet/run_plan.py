@@ -26,7 +26,7 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
-from megahet.checkpointing import checkpoint
+from megahet.checkpointing import finder
 from megahet.checkpointing.elastic import fit_layout, layout_note, needs_reshard, with_layout
 from megahet.config import MegahetConfig
 from megahet.config_checks import ranks_per_node, validate
@@ -52,7 +52,7 @@ class RunPlan:
     """The micro-batches per replica the run starts from (None: packed documents, planned per step)."""
     replica_speeds: tuple[float, ...] | None
     """Packed documents with declared speeds: each replica's speed relative to the fastest."""
-    resume: checkpoint.Resume | None
+    resume: finder.Resume | None
     reshard: bool
     """Whether `resume` must be resharded to this layout before it loads (elastic)."""
     notes: tuple[str, ...] = ()
@@ -109,9 +109,9 @@ def plan_run(cfg: MegahetConfig, spec, world_size: int | None = None) -> RunPlan
     before any rank starts work. `spec`: the task (megahet.training.TaskSpec: vocab_size, preflight)."""
     world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     cfg, user_ds = fold_deepspeed_json(cfg)
-    resume = checkpoint.find_resume(cfg)
+    resume = finder.find_resume(cfg)
     if resume is not None:
-        checkpoint.check_model(resume, cfg, spec.vocab_size(cfg))
+        finder.check_model(resume, cfg, spec.vocab_size(cfg))
     full = resume is not None and not resume.meta.get("weights_only")
     asked = cfg
     tp, pp = fit_layout(cfg, world) if full else (cfg.parallel.tp, cfg.parallel.pp)
@@ -126,7 +126,7 @@ def plan_run(cfg: MegahetConfig, spec, world_size: int | None = None) -> RunPlan
         moved = layout_note(resume, asked, cfg, world, reshard)
         notes += [moved] if moved else []
         if not reshard:
-            checkpoint.check_compatible(resume, cfg, dp, split)
+            finder.check_compatible(resume, cfg, dp, split)
     shares, per_replica = _starting_shares(cfg, dp, speeds, cfg.data.packing == "documents")
     return RunPlan(
         cfg=cfg.freeze(),

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megahet.checkpointing import checkpoint
+from megahet.checkpointing import checkpoint, finder
 from megahet.checkpointing.elastic import reshard_checkpoint
 from megahet.config import ConfigError, HelpRequested, MegahetConfig, config_help, load_config
 from megahet.engine import build_engine
@@ -410,7 +410,7 @@ def build_trainer(
     plan: RunPlan,
     spec: TaskSpec,
     layout: ParallelLayout,
-    resume: checkpoint.Resume | None,
+    resume: finder.Resume | None,
     logger: TrainingLogger | None = None,
     resplits: int = 0,
     extra_hooks: Sequence[StepHook] = (),
@@ -454,7 +454,7 @@ def train_to_end(trainer: Trainer, spec: TaskSpec) -> tuple[Trainer, list[dict[s
     megahet/runtime/resplit.py) and go on. Returns the last Trainer and the per-step records."""
     logger, layout, extra = trainer.logger, trainer.layout, trainer.extra_hooks
 
-    def rebuild(plan: RunPlan, resume: checkpoint.Resume, resplits: int) -> Trainer:
+    def rebuild(plan: RunPlan, resume: finder.Resume, resplits: int) -> Trainer:
         return build_trainer(plan, spec, layout, resume, logger, resplits, extra)
 
     history = trainer.train()

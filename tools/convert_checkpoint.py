@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-from megahet.checkpointing.checkpoint import describe_layout
 from megahet.checkpointing.convert import (
     checkpoint_tokenizer,
     consolidate,
@@ -36,6 +35,7 @@ from megahet.checkpointing.convert import (
     model_settings,
     reshard,
 )
+from megahet.checkpointing.finder import describe_layout
 from megahet.checkpointing.hf_export import export_hf, export_vit
 from megahet.config import ConfigError, load_config
 

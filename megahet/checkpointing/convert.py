@@ -36,12 +36,8 @@ from pathlib import Path
 
 import torch
 
-from megahet.checkpointing.checkpoint import (
-    LATEST,
-    META,
-    TOKENIZER,
-    save_weights_only,
-)
+from megahet.checkpointing.checkpoint import TOKENIZER, save_weights_only
+from megahet.checkpointing.finder import LATEST, META
 from megahet.checkpointing.optimizer_state import TENSOR_KEYS, read_zero_state
 from megahet.checkpointing.safe_load import load_file
 from megahet.compat.deepspeed_checkpoint import model_states_file, zero_fp32_masters, zero_shard_files

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megahet.checkpointing.checkpoint import Resume, describe_layout, find_resume_in, layout_of, per_parameter
 from megahet.checkpointing.convert import reshard_into
+from megahet.checkpointing.finder import Resume, describe_layout, find_resume_in, layout_of, per_parameter
 from megahet.config import ConfigError, MegahetConfig
 from megahet.config_checks import validate
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megahet.checkpointing import checkpoint
+from megahet.checkpointing import checkpoint, finder
 from megahet.checkpointing.elastic import reshard_checkpoint
 from megahet.config import MegahetConfig
 from megahet.platform import cuda_available
@@ -69,7 +69,7 @@ def _prune(root: Path, keep: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def resplit(trainer, rebuild: Callable[[RunPlan, checkpoint.Resume, int], object]):
+def resplit(trainer, rebuild: Callable[[RunPlan, finder.Resume, int], object]):
     """Re-split `trainer`'s stages to `trainer.pending_split` (all ranks call it after the same step);
     returns the Trainer for the new split (`rebuild`: from the new plan), at the same step, to train on."""
     plan, layout, logger = trainer.plan, trainer.layout, trainer.logger
@@ -85,7 +85,7 @@ def resplit(trainer, rebuild: Callable[[RunPlan, checkpoint.Resume, int], object
     resplits = 1 + max((getattr(h, "resplits", 0) for h in trainer.step_hooks), default=0)
     for hook in trainer.step_hooks:
         hook.close(final=False)
-    resume = checkpoint.find_resume_in(root)  # the step just saved
+    resume = finder.find_resume_in(root)  # the step just saved
     _free(trainer)
     resume = reshard_checkpoint(cfg, resume, layout.rank, new_plan.split, root)
     t_resharded = time.perf_counter()

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from megahet.checkpointing import checkpoint
+from megahet.checkpointing import checkpoint, finder
 from megahet.config import ConfigError, MegahetConfig, apply_overrides
 from megahet.config_checks import validate
 from megahet.engine import build_engine, lr_lambda
@@ -143,34 +143,34 @@ def test_checkpoint_keys_are_validated(tmp_path: Path, overrides: dict, needles:
 
 
 def test_no_load_means_fresh(tmp_path: Path) -> None:
-    assert checkpoint.find_resume(_cfg(tmp_path)) is None
-    assert checkpoint.find_resume(_cfg(tmp_path)) is None
+    assert finder.find_resume(_cfg(tmp_path)) is None
+    assert finder.find_resume(_cfg(tmp_path)) is None
 
 
 def test_missing_load_dir_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
-        checkpoint.find_resume(_cfg(tmp_path, **{"train.load": str(tmp_path / "nope")}))
+        finder.find_resume(_cfg(tmp_path, **{"train.load": str(tmp_path / "nope")}))
     _one_line(err, "train.load", "nope", "not found")
 
 
 def test_dir_without_checkpoint_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError) as err:
-        checkpoint.find_resume(_cfg(tmp_path, **{"train.load": str(tmp_path / "empty")}))
+        finder.find_resume(_cfg(tmp_path, **{"train.load": str(tmp_path / "empty")}))
     _one_line(err, "empty", "has no checkpoint", "latest")
 
 
 def test_load_equal_to_save_starts_fresh_when_empty(tmp_path: Path) -> None:
     """One command line for the first run and every restart: --train.save D --train.load D."""
     cfg = _cfg(tmp_path, **{"train.load": str(tmp_path / "ck")})
-    assert checkpoint.find_resume(cfg) is None  # the folder does not even exist yet
+    assert finder.find_resume(cfg) is None  # the folder does not even exist yet
     (tmp_path / "ck").mkdir()
-    assert checkpoint.find_resume(cfg) is None
+    assert finder.find_resume(cfg) is None
 
 
 def _fake_checkpoint(root: Path, iteration: int = 4, files: dict[str, bytes] | None = None) -> Path:
     files = files if files is not None else {"a.pt": b"x" * 100}
-    path = root / checkpoint.tag_name(iteration)
+    path = root / finder.tag_name(iteration)
     path.mkdir(parents=True)
     for name, data in files.items():
         (path / name).write_bytes(data)
@@ -180,36 +180,36 @@ def _fake_checkpoint(root: Path, iteration: int = 4, files: dict[str, bytes] | N
         "layout": {"tp": 1, "pp": 1, "dp": 1, "zero_stage": 1},
         "files": {name: len(data) for name, data in files.items()},
     }
-    (path / checkpoint.META).write_text(json.dumps(meta))
-    (root / checkpoint.LATEST).write_text(path.name)
+    (path / finder.META).write_text(json.dumps(meta))
+    (root / finder.LATEST).write_text(path.name)
     return path
 
 
 def test_truncated_file_is_named(tmp_path: Path) -> None:
     path = _fake_checkpoint(tmp_path / "ck")
     cfg = _cfg(tmp_path, **{"train.load": str(tmp_path / "ck")})
-    assert checkpoint.find_resume(cfg).iteration == 4
-    assert checkpoint.find_resume(cfg).consumed_samples == 16
+    assert finder.find_resume(cfg).iteration == 4
+    assert finder.find_resume(cfg).consumed_samples == 16
     (path / "a.pt").write_bytes(b"x" * 60)
     with pytest.raises(ConfigError) as err:
-        checkpoint.find_resume(cfg)
+        finder.find_resume(cfg)
     _one_line(err, str(path / "a.pt"), "truncated")
     (path / "a.pt").unlink()
     with pytest.raises(ConfigError) as err:
-        checkpoint.find_resume(cfg)
+        finder.find_resume(cfg)
     _one_line(err, str(path / "a.pt"), "missing")
 
 
 def test_incomplete_or_corrupt_metadata_is_named(tmp_path: Path) -> None:
     path = _fake_checkpoint(tmp_path / "ck")
     cfg = _cfg(tmp_path, **{"train.load": str(tmp_path / "ck")})
-    (path / checkpoint.META).write_text('{"iteration": 4, "fi')
+    (path / finder.META).write_text('{"iteration": 4, "fi')
     with pytest.raises(ConfigError) as err:
-        checkpoint.find_resume(cfg)
-    _one_line(err, str(path / checkpoint.META), "corrupt")
-    (path / checkpoint.META).unlink()
+        finder.find_resume(cfg)
+    _one_line(err, str(path / finder.META), "corrupt")
+    (path / finder.META).unlink()
     with pytest.raises(ConfigError) as err:
-        checkpoint.find_resume(cfg)
+        finder.find_resume(cfg)
     _one_line(err, str(path), "incomplete")
 
 
@@ -220,55 +220,55 @@ def test_missing_or_stale_latest_resumes_the_newest_complete_checkpoint(tmp_path
     cfg = _cfg(tmp_path, **{"train.load": str(root), "train.save": str(root)})  # the restart command line
     _fake_checkpoint(root, 2)
     newest = _fake_checkpoint(root, 6)
-    (root / checkpoint.LATEST).unlink()
-    resume = checkpoint.find_resume(cfg)
+    (root / finder.LATEST).unlink()
+    resume = finder.find_resume(cfg)
     assert (resume.path, resume.iteration, resume.consumed_samples) == (newest, 6, 24)
     assert "latest is missing" in resume.note and str(newest) in resume.note
     (root / "iter_0000008").mkdir()  # a crash before its megahet.json: incomplete
-    (root / checkpoint.LATEST).write_text("iter_0000008")
-    resume = checkpoint.find_resume(cfg)
+    (root / finder.LATEST).write_text("iter_0000008")
+    resume = finder.find_resume(cfg)
     assert resume.path == newest and "iter_0000008, which is incomplete" in resume.note
-    (root / checkpoint.LATEST).write_text("iter_0000002")  # a hand-made rollback is obeyed, but said
-    resume = checkpoint.find_resume(cfg)
+    (root / finder.LATEST).write_text("iter_0000002")  # a hand-made rollback is obeyed, but said
+    resume = finder.find_resume(cfg)
     assert resume.iteration == 2 and "newer complete checkpoint iter_0000006" in resume.note
-    (root / checkpoint.LATEST).write_text("iter_0000006")
-    assert checkpoint.find_resume(cfg).note is None
+    (root / finder.LATEST).write_text("iter_0000006")
+    assert finder.find_resume(cfg).note is None
 
 
 def test_latest_naming_an_incomplete_checkpoint_with_no_other_is_an_error(tmp_path: Path) -> None:
     root = tmp_path / "ck"
     (root / "iter_0000004").mkdir(parents=True)
-    (root / checkpoint.LATEST).write_text("iter_0000004")
+    (root / finder.LATEST).write_text("iter_0000004")
     with pytest.raises(ConfigError) as err:  # even with train.save = train.load: not a fresh start
-        checkpoint.find_resume(_cfg(tmp_path, **{"train.load": str(root), "train.save": str(root)}))
+        finder.find_resume(_cfg(tmp_path, **{"train.load": str(root), "train.save": str(root)}))
     _one_line(err, "iter_0000004", "incomplete", "no complete checkpoint")
 
 
 def test_other_parallel_layout_is_an_error(tmp_path: Path) -> None:
     _fake_checkpoint(tmp_path / "ck")
     cfg = _cfg(tmp_path, **{"train.load": str(tmp_path / "ck"), "parallel.tp": 2})
-    resume = checkpoint.find_resume(cfg)
-    checkpoint.check_compatible(resume, _cfg(tmp_path), dp=1)
+    resume = finder.find_resume(cfg)
+    finder.check_compatible(resume, _cfg(tmp_path), dp=1)
     with pytest.raises(ConfigError) as err:
-        checkpoint.check_compatible(resume, cfg, dp=1)
+        finder.check_compatible(resume, cfg, dp=1)
     _one_line(
         err, "TP 1 x PP 1 x DP 1", "TP 2 x PP 1 x DP 1", "same parallel layout", "reshard --tp 2 --pp 1"
     )
     with pytest.raises(ConfigError) as err:  # only DP differs: resharding would not help
-        checkpoint.check_compatible(resume, _cfg(tmp_path), dp=2)
+        finder.check_compatible(resume, _cfg(tmp_path), dp=2)
     _one_line(err, "TP 1 x PP 1 x DP 2", "same parallel layout")
     assert "reshard" not in str(err.value)
 
 
 def test_weights_only_checkpoint_needs_only_the_same_tp_pp(tmp_path: Path) -> None:
     path = _fake_checkpoint(tmp_path / "ck")
-    meta = json.loads((path / checkpoint.META).read_text())
+    meta = json.loads((path / finder.META).read_text())
     meta.update(weights_only=True, layout={"tp": 1, "pp": 1})
-    (path / checkpoint.META).write_text(json.dumps(meta))
-    resume = checkpoint.find_resume(_cfg(tmp_path, **{"train.load": str(tmp_path / "ck")}))
-    checkpoint.check_compatible(resume, _cfg(tmp_path, **{"parallel.zero_stage": 2}), dp=4)
+    (path / finder.META).write_text(json.dumps(meta))
+    resume = finder.find_resume(_cfg(tmp_path, **{"train.load": str(tmp_path / "ck")}))
+    finder.check_compatible(resume, _cfg(tmp_path, **{"parallel.zero_stage": 2}), dp=4)
     with pytest.raises(ConfigError) as err:
-        checkpoint.check_compatible(resume, _cfg(tmp_path, **{"parallel.pp": 2}), dp=1)
+        finder.check_compatible(resume, _cfg(tmp_path, **{"parallel.pp": 2}), dp=1)
     _one_line(
         err,
         "weights-only checkpoint",
@@ -292,7 +292,7 @@ def test_resume_continues_exactly(world1, tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, **{"train.load": str(tmp_path / "ck")})
     random.seed(99), np.random.seed(99), torch.manual_seed(99)  # the restored streams must win
     resumed = _trainer(cfg, world1)
-    checkpoint.load(resumed, checkpoint.find_resume(cfg))
+    checkpoint.load(resumed, finder.find_resume(cfg))
     assert (resumed.iteration, resumed.start_iteration, resumed.start_sample) == (3, 3, 12)
     assert resumed.step_hooks[0].count == 3
     assert _steps(resumed, 4) == expected  # bit for bit: fp32 on one rank
@@ -303,7 +303,7 @@ def test_resume_continues_exactly(world1, tmp_path: Path) -> None:
 
     # Saving after the resume records the data position from the start sample on.
     path, _ = checkpoint.save(resumed)
-    meta = json.loads((path / checkpoint.META).read_text())
+    meta = json.loads((path / finder.META).read_text())
     assert meta["consumed_samples"] == 28
     assert meta["model"] == dataclasses.asdict(cfg.model)  # for the conversion tools
 
@@ -314,7 +314,7 @@ def test_hook_state_for_other_settings_is_not_loaded(world1, tmp_path: Path) -> 
     checkpoint.save(trainer)
     cfg = _cfg(tmp_path, **{"train.load": str(tmp_path / "ck")})
     other = _trainer(cfg, world1, hook_mode="b")
-    checkpoint.load(other, checkpoint.find_resume(cfg))
+    checkpoint.load(other, finder.find_resume(cfg))
     assert other.step_hooks[0].count == 0
     assert any("_CountingHook" in m and "starts fresh" in m for m in other.messages)
 
@@ -332,7 +332,7 @@ def test_crash_mid_save_leaves_previous_checkpoint(world1, tmp_path: Path) -> No
     (root / "tmp_iter_0000004").mkdir()
     (root / "tmp_iter_0000004" / "mp_rank_00_model_states.pt").write_bytes(b"PK\x03\x04half")
     (root / "latest.tmp").write_text("iter_00")
-    resume = checkpoint.find_resume(cfg)
+    resume = finder.find_resume(cfg)
     assert resume.path.name == "iter_0000002"
     fresh = _trainer(cfg, world1)
     checkpoint.load(fresh, resume)
@@ -341,7 +341,7 @@ def test_crash_mid_save_leaves_previous_checkpoint(world1, tmp_path: Path) -> No
     # The next save clears the leftover and completes.
     path, _ = checkpoint.save(trainer)
     assert not (root / "tmp_iter_0000004").exists()
-    assert checkpoint.find_resume(cfg).path == path
+    assert finder.find_resume(cfg).path == path
 
 
 def test_keep_last_and_same_step_saved_again(world1, tmp_path: Path) -> None:
@@ -356,7 +356,7 @@ def test_keep_last_and_same_step_saved_again(world1, tmp_path: Path) -> None:
     trainer.cfg.train.keep_last = 0
     path, _ = checkpoint.save(trainer)
     assert path.name == "iter_0000004_2" and (root / "latest").read_text() == "iter_0000004_2"
-    assert json.loads((root / "iter_0000004" / checkpoint.META).read_text())["vocab_size"] == 1000
+    assert json.loads((root / "iter_0000004" / finder.META).read_text())["vocab_size"] == 1000
 
 
 def test_corrupt_deepspeed_file_is_named(world1, tmp_path: Path) -> None:
@@ -368,7 +368,7 @@ def test_corrupt_deepspeed_file_is_named(world1, tmp_path: Path) -> None:
     bad = path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     bad.write_bytes(b"\x80" + b"\x00" * (bad.stat().st_size - 1))
     with pytest.raises(ConfigError) as err:
-        checkpoint.load(_trainer(cfg, world1), checkpoint.find_resume(cfg))
+        checkpoint.load(_trainer(cfg, world1), finder.find_resume(cfg))
     _one_line(err, str(bad), "truncated or corrupt")
 
 
@@ -396,11 +396,11 @@ def test_checkpoint_file_that_would_run_code_is_refused(world1, tmp_path: Path, 
     path, _ = checkpoint.save(trainer)
     marker = tmp_path / "ran"
     torch.save({"module": {}, "rng": _RunsCode(marker)}, path / victim)
-    meta = json.loads((path / checkpoint.META).read_text())
+    meta = json.loads((path / finder.META).read_text())
     meta["files"][victim] = (path / victim).stat().st_size
-    (path / checkpoint.META).write_text(json.dumps(meta))
+    (path / finder.META).write_text(json.dumps(meta))
     with pytest.raises(ConfigError) as err:
-        checkpoint.load(_trainer(cfg, world1), checkpoint.find_resume(cfg))
+        checkpoint.load(_trainer(cfg, world1), finder.find_resume(cfg))
     _one_line(err, str(path / victim), "system", "does not load")
     assert not marker.exists()
 
@@ -429,11 +429,11 @@ def test_weights_only_load_restarts_the_optimizer(world1, tmp_path: Path) -> Non
     weights = _params(trainer)
     root = tmp_path / "weights"
     folder = checkpoint.save_weights_only(root, [[weights]], iteration=3, consumed_samples=12, meta={})
-    assert (root / checkpoint.LATEST).read_text() == folder.name == "iter_0000003"
+    assert (root / finder.LATEST).read_text() == folder.name == "iter_0000003"
 
     cfg = _cfg(tmp_path, **{"train.load": str(root), "parallel.zero_stage": 2})
-    resume = checkpoint.find_resume(cfg)
-    checkpoint.check_compatible(resume, cfg, dp=1)
+    resume = finder.find_resume(cfg)
+    finder.check_compatible(resume, cfg, dp=1)
     loaded = _trainer(cfg, world1)
     checkpoint.load(loaded, resume)
     assert (loaded.iteration, loaded.start_iteration, loaded.start_sample) == (3, 3, 12)

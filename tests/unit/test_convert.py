@@ -501,7 +501,7 @@ def test_export_hf_needs_the_runs_tokenizer(gpt, lm, spm_model, corpus_docs, tmp
 def test_save_puts_the_tokenizer_in_the_checkpoint(world1, spm_model, tmp_path):
     """checkpoint.save copies Task.tokenizer_model into the checkpoint as tokenizer.model, listed in
     megahet.json (a truncated copy is refused on load); export-hf finds it there."""
-    from megahet.checkpointing import checkpoint
+    from megahet.checkpointing import checkpoint, finder
     from megahet.config import MegahetConfig, apply_overrides
     from megahet.engine import build_engine
 
@@ -525,11 +525,11 @@ def test_save_puts_the_tokenizer_in_the_checkpoint(world1, spm_model, tmp_path):
     assert meta["files"]["tokenizer.model"] == spm_model.stat().st_size
     assert checkpoint_tokenizer(tmp_path / "ck") == folder / "tokenizer.model"
     resume = apply_overrides(cfg, {"train.load": str(tmp_path / "ck")})
-    assert checkpoint.find_resume(resume).path == folder
+    assert finder.find_resume(resume).path == folder
     with open(folder / "tokenizer.model", "r+b") as f:
         f.truncate(100)
     with pytest.raises(ConfigError, match="tokenizer.model is truncated or corrupt"):
-        checkpoint.find_resume(resume)
+        finder.find_resume(resume)
 
 
 # --- a GPT without linear biases (model.add_bias_linear false) ------------------------------------

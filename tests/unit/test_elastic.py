@@ -5,7 +5,7 @@
   largest TP' x PP' that passes every configuration check, ties to the larger TP; a one-line
   ConfigError naming train.load when none does) and `plan_resume` (the fitted configuration and the
   note naming the saved and the new layout);
-- megahet.checkpointing.checkpoint.check_model: a checkpoint of another model (shaping settings) or vocabulary is a
+- megahet.checkpointing.finder.check_model: a checkpoint of another model (shaping settings) or vocabulary is a
   one-line ConfigError, dropout / init settings may change, old checkpoints without "model" pass;
 - megahet.checkpointing.optimizer_state: `read_zero_state` merging a hand-made DeepSpeed ZeRO-1/2 checkpoint (two DP
   shards, a parameter spanning both, two param groups) into full tensors with Adam's step and the LRs,
@@ -24,8 +24,8 @@ import pytest
 import torch
 from deepspeed.utils.tensor_fragment import fragment_address
 
-from megahet.checkpointing.checkpoint import MODEL_SETTINGS_FREE, Resume, check_model
 from megahet.checkpointing.elastic import fit_layout, layout_note, needs_reshard, with_layout
+from megahet.checkpointing.finder import MODEL_SETTINGS_FREE, Resume, check_model
 from megahet.checkpointing.optimizer_state import read_zero_state, zero_files
 from megahet.compat.deepspeed_checkpoint import model_states_file
 from megahet.config import ConfigError, MegahetConfig, load_config

@@ -200,8 +200,8 @@ def test_a_checkpoint_of_another_split_reshards_or_names_the_fix():
     optimizer state included); a weights-only one names the reshard command with --stage-layers."""
     from pathlib import Path
 
-    from megahet.checkpointing.checkpoint import Resume, check_compatible, layout_of
     from megahet.checkpointing.elastic import layout_note, needs_reshard, with_layout
+    from megahet.checkpointing.finder import Resume, check_compatible, layout_of
 
     layers = ["--model.num_layers", "8", "--parallel.pp", "2"]
     uneven = load_config([*layers, "--parallel.stage_layers", "3,5"])
@@ -228,7 +228,7 @@ def test_a_checkpoint_of_another_split_reshards_or_names_the_fix():
 def test_starting_split_from_declared_speeds_and_from_a_measured_checkpoint():
     from pathlib import Path
 
-    from megahet.checkpointing.checkpoint import Resume
+    from megahet.checkpointing.finder import Resume
     from megahet.config_checks import validate
     from megahet.run_plan import declared_by_coords
     from megahet.runtime.stage_plan import starting_split

@@ -32,7 +32,8 @@ from megahet.models.attention import packed_documents
 from megahet.models.gpt import build_gpt
 from megahet.parallel import ParallelLayout
 from megahet.policy.packing import DocCost
-from megahet.training import Task, TaskSpec, run_cli
+from megahet.task import Task, TaskSpec
+from megahet.training import run_cli
 
 
 def prepared_data_dir(cfg: MegahetConfig) -> Path:

@@ -20,7 +20,8 @@ from megahet.data.mnist import load_mnist
 from megahet.data.sampling import micro_batches, to_device
 from megahet.models.vit import build_vit
 from megahet.parallel import ParallelLayout
-from megahet.training import Task, TaskSpec, run_cli
+from megahet.task import Task, TaskSpec
+from megahet.training import run_cli
 
 
 class MnistSplit:

@@ -106,7 +106,7 @@ def _starting_shares(
 def plan_run(cfg: MegahetConfig, spec, world_size: int | None = None) -> RunPlan:
     """Check the configuration, its inputs and the checkpoint to resume against the world, and decide
     the layout, the stage split, the starting shares and what to load. Raises a one-line ConfigError
-    before any rank starts work. `spec`: the task (megahet.training.TaskSpec: vocab_size, preflight)."""
+    before any rank starts work. `spec`: the task (megahet.task.TaskSpec: vocab_size, preflight)."""
     world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     cfg, user_ds = fold_deepspeed_json(cfg)
     resume = finder.find_resume(cfg)

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 class StepContext(Protocol):
     """What a step hook reads of the running step, and the requests it may make of the Trainer, in
-    place of the Trainer itself (the Trainer implements it: megahet/training.py). Hooks receive it at
+    place of the Trainer itself (the Trainer implements it: megahet/trainer.py). Hooks receive it at
     construction (megahet/runtime/hook_builder.py)."""
 
     times: StepTimes

@@ -3,7 +3,7 @@
 Role: runtime (the resize / migration step hook: executes the plan it is given between steps).
 for a plan (gammas from the config, units from the selection policy) and hand it to the executor.
 
-A step hook of the Trainer (see training.py): `before_forward_backward`, `before_step`,
+A step hook of the Trainer (see megahet/trainer.py): `before_forward_backward`, `before_step`,
 `after_step`, `evaluation`, `metrics`. The plan is identical on every rank of a pipeline stage: random
 selection is seeded by (seed, step, block, rank), and priority scores are averaged over the DP
 replicas of each TP rank and all-gathered over the TP group (a few floats per unit) before every

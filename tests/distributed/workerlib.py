@@ -21,7 +21,7 @@ from megatron.core import parallel_state as ps
 
 from megahet.checkpointing.convert import merge_tp_shards, split_tp_shards
 from megahet.parallel import current_layout
-from megahet.training import TaskSpec
+from megahet.task import TaskSpec
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 

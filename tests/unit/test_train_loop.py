@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from test_resize_executor import _pretrain_vit
 
+from megahet import trainer as trainer_module
 from megahet import training
 from megahet.config import load_config
 
@@ -28,8 +29,8 @@ def test_the_loop_reads_the_loss_only_when_it_logs(world1, tmp_path, monkeypatch
     record = trainer.train_step(sync=False)
     assert torch.is_tensor(record["loss"]) and record["loss"].dim() == 0
     converted = []
-    real = training.as_floats
-    monkeypatch.setattr(training, "as_floats", lambda r: converted.append(trainer.iteration) or real(r))
+    real = trainer_module.as_floats
+    monkeypatch.setattr(trainer_module, "as_floats", lambda r: converted.append(trainer.iteration) or real(r))
     history = trainer.train()  # steps 2, 3, 4: log lines after steps 2 and 4
     assert converted == [2, 4, 4]
     assert all(isinstance(r["loss"], float) and isinstance(r["grad_norm"], float) for r in history)

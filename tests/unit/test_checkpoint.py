@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from one_line import one_line
 
 from megahet.checkpointing import checkpoint, finder
 from megahet.config import ConfigError, MegahetConfig, apply_overrides
@@ -120,13 +121,6 @@ def _params(trainer) -> dict[str, torch.Tensor]:
 # --- find_resume / check_compatible (no process group) ---------------------------------------------
 
 
-def _one_line(err: pytest.ExceptionInfo, *needles: str) -> None:
-    message = str(err.value)
-    assert "\n" not in message, message
-    for needle in needles:
-        assert needle in message, (needle, message)
-
-
 @pytest.mark.parametrize(
     ("overrides", "needles"),
     [
@@ -139,7 +133,7 @@ def test_checkpoint_keys_are_validated(tmp_path: Path, overrides: dict, needles:
     validate(_cfg(tmp_path, **{"train.save_interval": 5, "train.keep_last": 2}), 1)
     with pytest.raises(ConfigError) as err:
         validate(_cfg(tmp_path, **overrides), 1)
-    _one_line(err, *needles)
+    one_line(err, *needles)
 
 
 def test_no_load_means_fresh(tmp_path: Path) -> None:
@@ -150,14 +144,14 @@ def test_no_load_means_fresh(tmp_path: Path) -> None:
 def test_missing_load_dir_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         finder.find_resume(_cfg(tmp_path, **{"train.load": str(tmp_path / "nope")}))
-    _one_line(err, "train.load", "nope", "not found")
+    one_line(err, "train.load", "nope", "not found")
 
 
 def test_dir_without_checkpoint_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError) as err:
         finder.find_resume(_cfg(tmp_path, **{"train.load": str(tmp_path / "empty")}))
-    _one_line(err, "empty", "has no checkpoint", "latest")
+    one_line(err, "empty", "has no checkpoint", "latest")
 
 
 def test_load_equal_to_save_starts_fresh_when_empty(tmp_path: Path) -> None:
@@ -193,11 +187,11 @@ def test_truncated_file_is_named(tmp_path: Path) -> None:
     (path / "a.pt").write_bytes(b"x" * 60)
     with pytest.raises(ConfigError) as err:
         finder.find_resume(cfg)
-    _one_line(err, str(path / "a.pt"), "truncated")
+    one_line(err, str(path / "a.pt"), "truncated")
     (path / "a.pt").unlink()
     with pytest.raises(ConfigError) as err:
         finder.find_resume(cfg)
-    _one_line(err, str(path / "a.pt"), "missing")
+    one_line(err, str(path / "a.pt"), "missing")
 
 
 def test_incomplete_or_corrupt_metadata_is_named(tmp_path: Path) -> None:
@@ -206,11 +200,11 @@ def test_incomplete_or_corrupt_metadata_is_named(tmp_path: Path) -> None:
     (path / finder.META).write_text('{"iteration": 4, "fi')
     with pytest.raises(ConfigError) as err:
         finder.find_resume(cfg)
-    _one_line(err, str(path / finder.META), "corrupt")
+    one_line(err, str(path / finder.META), "corrupt")
     (path / finder.META).unlink()
     with pytest.raises(ConfigError) as err:
         finder.find_resume(cfg)
-    _one_line(err, str(path), "incomplete")
+    one_line(err, str(path), "incomplete")
 
 
 def test_missing_or_stale_latest_resumes_the_newest_complete_checkpoint(tmp_path: Path) -> None:
@@ -241,7 +235,7 @@ def test_latest_naming_an_incomplete_checkpoint_with_no_other_is_an_error(tmp_pa
     (root / finder.LATEST).write_text("iter_0000004")
     with pytest.raises(ConfigError) as err:  # even with train.save = train.load: not a fresh start
         finder.find_resume(_cfg(tmp_path, **{"train.load": str(root), "train.save": str(root)}))
-    _one_line(err, "iter_0000004", "incomplete", "no complete checkpoint")
+    one_line(err, "iter_0000004", "incomplete", "no complete checkpoint")
 
 
 def test_other_parallel_layout_is_an_error(tmp_path: Path) -> None:
@@ -251,12 +245,10 @@ def test_other_parallel_layout_is_an_error(tmp_path: Path) -> None:
     finder.check_compatible(resume, _cfg(tmp_path), dp=1)
     with pytest.raises(ConfigError) as err:
         finder.check_compatible(resume, cfg, dp=1)
-    _one_line(
-        err, "TP 1 x PP 1 x DP 1", "TP 2 x PP 1 x DP 1", "same parallel layout", "reshard --tp 2 --pp 1"
-    )
+    one_line(err, "TP 1 x PP 1 x DP 1", "TP 2 x PP 1 x DP 1", "same parallel layout", "reshard --tp 2 --pp 1")
     with pytest.raises(ConfigError) as err:  # only DP differs: resharding would not help
         finder.check_compatible(resume, _cfg(tmp_path), dp=2)
-    _one_line(err, "TP 1 x PP 1 x DP 2", "same parallel layout")
+    one_line(err, "TP 1 x PP 1 x DP 2", "same parallel layout")
     assert "reshard" not in str(err.value)
 
 
@@ -269,7 +261,7 @@ def test_weights_only_checkpoint_needs_only_the_same_tp_pp(tmp_path: Path) -> No
     finder.check_compatible(resume, _cfg(tmp_path, **{"parallel.zero_stage": 2}), dp=4)
     with pytest.raises(ConfigError) as err:
         finder.check_compatible(resume, _cfg(tmp_path, **{"parallel.pp": 2}), dp=1)
-    _one_line(
+    one_line(
         err,
         "weights-only checkpoint",
         "TP 1 x PP 1, this run is TP 1 x PP 2",
@@ -369,7 +361,7 @@ def test_corrupt_deepspeed_file_is_named(world1, tmp_path: Path) -> None:
     bad.write_bytes(b"\x80" + b"\x00" * (bad.stat().st_size - 1))
     with pytest.raises(ConfigError) as err:
         checkpoint.load(_trainer(cfg, world1), finder.find_resume(cfg))
-    _one_line(err, str(bad), "truncated or corrupt")
+    one_line(err, str(bad), "truncated or corrupt")
 
 
 class _RunsCode:
@@ -401,7 +393,7 @@ def test_checkpoint_file_that_would_run_code_is_refused(world1, tmp_path: Path, 
     (path / finder.META).write_text(json.dumps(meta))
     with pytest.raises(ConfigError) as err:
         checkpoint.load(_trainer(cfg, world1), finder.find_resume(cfg))
-    _one_line(err, str(path / victim), "system", "does not load")
+    one_line(err, str(path / victim), "system", "does not load")
     assert not marker.exists()
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from one_line import one_line
 
 from megahet.config import (
     ConfigError,
@@ -18,16 +19,6 @@ from megahet.config import (
     load_deepspeed_json,
 )
 from megahet.config_checks import validate
-
-
-def _one_line(err: pytest.ExceptionInfo[BaseException], *needles: str) -> str:
-    """The error is a ConfigError whose message is one line and contains every needle."""
-    assert isinstance(err.value, ConfigError), type(err.value)
-    msg = str(err.value)
-    assert "\n" not in msg, msg
-    for needle in needles:
-        assert needle in msg, (needle, msg)
-    return msg
 
 
 def _yaml(tmp_path: Path, text: str, name: str = "cfg.yaml") -> str:
@@ -259,25 +250,25 @@ def test_literal_accepts_allowed_values(key: str, value: str) -> None:
 def test_unknown_section() -> None:
     with pytest.raises(ConfigError) as err:
         load_config(["--optim.lr", "1"])
-    _one_line(err, "optim.lr", "model", "train")
+    one_line(err, "optim.lr", "model", "train")
 
 
 def test_key_without_section() -> None:
     with pytest.raises(ConfigError) as err:
         load_config(["--lr", "1"])
-    _one_line(err, "'lr'")
+    one_line(err, "'lr'")
 
 
 def test_unknown_key() -> None:
     with pytest.raises(ConfigError) as err:
         load_config(["--train.learning_rate", "1"])
-    _one_line(err, "train.learning_rate", "lr")  # names the key and lists the section's keys
+    one_line(err, "train.learning_rate", "lr")  # names the key and lists the section's keys
 
 
 def test_unknown_key_in_yaml(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(["--config", _yaml(tmp_path, "model:\n  layers: 4\n")])
-    _one_line(err, "model.layers")
+    one_line(err, "model.layers")
 
 
 @pytest.mark.parametrize(
@@ -293,16 +284,16 @@ def test_unknown_key_in_yaml(tmp_path: Path) -> None:
 def test_bad_type(argv: list[str], needles: list[str]) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(argv)
-    _one_line(err, *needles)
+    one_line(err, *needles)
 
 
 def test_bad_type_in_yaml(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(["--config", _yaml(tmp_path, "train:\n  lr: null\n")])
-    _one_line(err, "train.lr", "float")
+    one_line(err, "train.lr", "float")
     with pytest.raises(ConfigError) as err:
         load_config(["--config", _yaml(tmp_path, "model:\n  num_layers: 2.5\n")])
-    _one_line(err, "model.num_layers", "int")
+    one_line(err, "model.num_layers", "int")
 
 
 @pytest.mark.parametrize(
@@ -312,14 +303,14 @@ def test_bad_type_in_yaml(tmp_path: Path) -> None:
 def test_bad_literal(key: str, value: str) -> None:
     with pytest.raises(ConfigError) as err:
         load_config([f"--{key}", value])
-    _one_line(err, key, value)
+    one_line(err, key, value)
 
 
 def test_missing_config_file(tmp_path: Path) -> None:
     missing = str(tmp_path / "nope.yaml")
     with pytest.raises(ConfigError) as err:
         load_config(["--config", missing])
-    _one_line(err, missing, "--config")
+    one_line(err, missing, "--config")
 
 
 @pytest.mark.parametrize("text, kind", [("- a\n- b\n", "list"), ("just a string\n", "str"), ("3\n", "int")])
@@ -327,36 +318,36 @@ def test_non_mapping_yaml(tmp_path: Path, text: str, kind: str) -> None:
     path = _yaml(tmp_path, text)
     with pytest.raises(ConfigError) as err:
         load_config(["--config", path])
-    _one_line(err, path, "mapping", kind)
+    one_line(err, path, "mapping", kind)
 
 
 def test_non_mapping_section(tmp_path: Path) -> None:
     path = _yaml(tmp_path, "model: 4\n")
     with pytest.raises(ConfigError) as err:
         load_config(["--config", path])
-    _one_line(err, "'model'", "mapping")
+    one_line(err, "'model'", "mapping")
 
 
 def test_malformed_yaml_is_a_one_line_config_error(tmp_path: Path) -> None:
     path = _yaml(tmp_path, "model:\n  num_layers: [4\n")
     with pytest.raises(ConfigError) as err:
         load_config(["--config", path])
-    _one_line(err, path)
+    one_line(err, path)
 
 
 def test_flag_without_value() -> None:
     with pytest.raises(ConfigError) as err:
         load_config(["--train.lr"])
-    _one_line(err, "--train.lr")
+    one_line(err, "--train.lr")
     with pytest.raises(ConfigError) as err:
         load_config(["--train.lr", "--model.num_layers", "2"])
-    _one_line(err, "--train.lr")
+    one_line(err, "--train.lr")
 
 
 def test_positional_argument() -> None:
     with pytest.raises(ConfigError) as err:
         load_config(["model.num_layers", "2"])
-    _one_line(err, "model.num_layers")
+    one_line(err, "model.num_layers")
 
 
 def test_apply_overrides_checks_keys_and_types() -> None:
@@ -364,7 +355,7 @@ def test_apply_overrides_checks_keys_and_types() -> None:
     assert cfg.parallel.tp == 2 and cfg.train.lr == 0.1
     with pytest.raises(ConfigError) as err:
         apply_overrides(MegahetConfig(), {"parallel.dp": 2})
-    _one_line(err, "parallel.dp")
+    one_line(err, "parallel.dp")
 
 
 def test_load_deepspeed_json(tmp_path: Path) -> None:
@@ -373,12 +364,12 @@ def test_load_deepspeed_json(tmp_path: Path) -> None:
     assert load_deepspeed_json(str(good)) == {"zero_optimization": {"stage": 2}}
     with pytest.raises(ConfigError) as err:
         load_deepspeed_json(str(tmp_path / "missing.json"))
-    _one_line(err, "missing.json", "--deepspeed_config")
+    one_line(err, "missing.json", "--deepspeed_config")
     bad = tmp_path / "bad.json"
     bad.write_text('{"zero_optimization": {\n "stage": 2,\n}')
     with pytest.raises(ConfigError) as err:
         load_deepspeed_json(str(bad))
-    _one_line(err, "bad.json", "JSON")
+    one_line(err, "bad.json", "JSON")
 
 
 @pytest.mark.parametrize(

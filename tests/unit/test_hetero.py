@@ -12,7 +12,7 @@ import itertools
 import json
 
 import pytest
-from test_config import _one_line
+from one_line import one_line
 from test_sampling import Indexed
 
 from megahet.config import ConfigError, load_config
@@ -87,7 +87,7 @@ def test_bad_declarations_are_one_line_errors(tmp_path, spec: str, content: str 
 def test_bad_hetero_settings_are_one_line_errors(args: list[str], world: int, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle) as err:
         validate(load_config(args), world)
-    _one_line(err)
+    one_line(err)
 
 
 def test_node_declarations_follow_the_launchers_ranks_per_node(tmp_path, monkeypatch) -> None:

@@ -24,7 +24,14 @@ from megahet.checkpointing import checkpoint, finder
 from megahet.checkpointing.elastic import reshard_checkpoint
 from megahet.config import ConfigError, HelpRequested, MegahetConfig, config_help, load_config
 from megahet.engine import build_engine
-from megahet.failures import first_local_rank, is_peer_loss, lost_peer_message, record_peers
+from megahet.failures import (
+    default_sigterm,
+    first_local_rank,
+    is_peer_loss,
+    lost_peer_message,
+    name_lost_peers_when_stopped,
+    record_peers,
+)
 from megahet.logging import TrainingLogger
 from megahet.parallel import ParallelLayout, destroy_parallel, initialize_parallel
 from megahet.platform import cuda_available
@@ -136,6 +143,7 @@ def pretrain(
 def run_cli(spec: TaskSpec, argv: list[str], defaults: MegahetConfig | None = None) -> None:
     """Entry point of the pretrain scripts: bad inputs end in one line naming the problem and fix
     (printed once per node before the process groups start); a lost peer in one line naming it."""
+    name_lost_peers_when_stopped()
     try:
         pretrain(load_config(argv, defaults=defaults), spec)
         # Join gloo's worker threads while the interpreter is alive: exiting with the process groups
@@ -147,8 +155,11 @@ def run_cli(spec: TaskSpec, argv: list[str], defaults: MegahetConfig | None = No
     except (ConfigError, FileNotFoundError) as err:
         # Before the groups start, every rank of a node fails alike: its first rank says it.
         loud = dist.is_initialized() or first_local_rank()
+        default_sigterm()
         sys.exit(f"megahet: error: {err}" if loud else 1)
     except RuntimeError as err:
         if not is_peer_loss(err):
             raise
-        sys.exit(lost_peer_message(err))
+        line = lost_peer_message(err)
+        default_sigterm()  # this rank ends now: the launcher's SIGTERM may cut its exit short
+        sys.exit(line)

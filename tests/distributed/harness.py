@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import threading
 import time
@@ -128,6 +129,37 @@ def _excerpt(output: str, limit: int = 6000) -> str:
     head = output[start : start + limit // 2] if start >= 0 else ""
     tail = output[-limit // 2 :]
     return head + ("\n[...]\n" if head and not output.endswith(head) else "") + tail
+
+
+def busy_processes(seconds: float = 2.0) -> float:
+    """Other processes running or waiting to run, on average over `seconds` (/proc/loadavg's runnable
+    count, this reader excluded): 0 on an idle machine, whatever ran a minute ago."""
+    samples = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        with open("/proc/loadavg") as f:
+            samples.append(int(f.read().split()[3].split("/")[0]) - 1)
+        time.sleep(0.1)
+    return statistics.mean(samples)
+
+
+def wait_until_quiet(limit_s: float = 30.0, before: str = "the calm phase") -> float:
+    """Before a phase whose checks assume a quiet machine: wait (up to limit_s) until no other process
+    competes for the cores; say so on stdout (the test log) when it waited, or when the machine stayed
+    busy (the caller then relaxes its checks, saying why). Returns the other runnable processes."""
+    start = time.monotonic()
+    busy = busy_processes()
+    while busy >= 1.0 and time.monotonic() - start < limit_s:
+        busy = busy_processes()
+    waited = time.monotonic() - start
+    if busy >= 1.0:
+        print(
+            f"machine still busy after {waited:.0f} s ({busy:.1f} other runnable processes): starting "
+            f"{before} anyway"
+        )
+    elif waited > 2.5:
+        print(f"waited {waited:.0f} s for the machine to be quiet before {before}")
+    return busy
 
 
 def _descendants(pid: int) -> list[int]:

@@ -1,9 +1,12 @@
 """Failures end a job quickly and clearly (real torchrun launches of pretrain_gpt.py, about 40 s).
 
 1. A dead rank: rank 3 of a TP=2 x DP=2 job is SIGKILLed in the middle of training. The job must end
-   within DEAD_RANK_BOUND_S (the distributed timeout, 10 min by default, is what a hang would take),
-   with a non-zero status, and with a message naming the lost rank: torchrun's summary ("rank: 3",
-   SIGKILL) and, where a survivor reached its error handler first, megahet's one line.
+   within DEAD_RANK_BOUND_S (docs/checkpoints.md's bound; the distributed timeout, 10 min by default,
+   is what a hang would take), with a non-zero status, torchrun's summary naming rank 3, and
+   megahet's own line from every survivor that prints one naming rank 3 alone, at least one of them
+   (megahet/failures.py: from the failed collective, or from the launcher's SIGTERM when a survivor
+   had not reached one). The job starts on a quiet machine (the bound is widened, saying so, when it
+   stays busy).
 2. A bad input on several ranks: a missing checkpoint folder with 2 ranks prints its one-line error
    once, not once per rank.
 
@@ -21,9 +24,19 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import GPT_MODEL, REPO, _descendants, _kill_launch, free_port, launch_env, torchrun_cmd
+from harness import (
+    GPT_MODEL,
+    REPO,
+    _descendants,
+    _kill_launch,
+    free_port,
+    launch_env,
+    torchrun_cmd,
+    wait_until_quiet,
+)
 
-DEAD_RANK_BOUND_S = 60.0
+DEAD_RANK_BOUND_S = 5.0
+"""How soon after a rank's death the job ends, as docs/checkpoints.md claims (measured 0.5-0.7 s)."""
 COMMON = [
     *GPT_MODEL,
     "--train.micro_batch_size", "2",
@@ -53,6 +66,10 @@ def _steps(metrics: Path) -> int:
 
 
 def test_a_dead_rank_ends_the_job_quickly_naming_it(tmp_path: Path, gpt_data: list[str]) -> None:
+    busy = wait_until_quiet(before="the dead-rank job")
+    bound = DEAD_RANK_BOUND_S * (1 + busy) if busy >= 1 else DEAD_RANK_BOUND_S
+    if bound > DEAD_RANK_BOUND_S:
+        print(f"dead rank: {busy:.1f} other runnable processes: the bound is widened to {bound:.0f} s")
     metrics = tmp_path / "metrics.jsonl"
     args = [*COMMON, *gpt_data, "--parallel.tp", "2", "--train.train_iters", "100000"]
     cmd = [*torchrun_cmd(4, free_port()), str(REPO / "pretrain_gpt.py"), *args]
@@ -69,18 +86,20 @@ def test_a_dead_rank_ends_the_job_quickly_naming_it(tmp_path: Path, gpt_data: li
         assert victim is not None, "rank 3's process not found"
         os.kill(victim, signal.SIGKILL)
         killed = time.monotonic()
-        output, _ = proc.communicate(timeout=DEAD_RANK_BOUND_S + 60)
+        output, _ = proc.communicate(timeout=bound + 60)
         elapsed = time.monotonic() - killed
     finally:
         if proc.poll() is None:
             _kill_launch(proc)
     print(f"dead rank: the job ended {elapsed:.1f} s after rank 3 was killed")
     assert proc.returncode != 0
-    assert elapsed < DEAD_RANK_BOUND_S, f"the job took {elapsed:.0f} s to end after rank 3 died"
+    assert elapsed < bound, f"the job took {elapsed:.1f} s to end after rank 3 died (bound {bound:.0f} s)"
     assert re.search(r"rank\s*: 3 \(local_rank: 3\)", output) and "SIGKILL" in output, output[-3000:]
     ours = [line for line in output.splitlines() if line.startswith("megahet: error: rank")]
-    for line in ours:  # a survivor that got there before the launcher stopped it
-        assert "rank 3 died" in line and "--train.load" in line, line
+    assert ours, f"no survivor printed megahet's line naming the dead rank:\n{output[-3000:]}"
+    for line in ours:
+        assert ": rank 3 died (" in line and "--train.load" in line, line
+    print(f"dead rank: {len(ours)} survivors named rank 3")
 
 
 def test_a_bad_input_is_printed_once_not_per_rank(tmp_path: Path, gpt_data: list[str]) -> None:

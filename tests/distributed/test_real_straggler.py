@@ -19,7 +19,7 @@ import statistics
 import time
 
 import pytest
-from harness import GPT_MODEL, REPO, finish, skip_or_fail, start_torchrun
+from harness import GPT_MODEL, REPO, finish, skip_or_fail, start_torchrun, wait_until_quiet
 
 from benchmarks.contention import competing_process, two_cores
 
@@ -69,35 +69,6 @@ OUTSIDE_LOAD = 3.0
 the calm phase (the two ranks alone load them by about 2): the ranks then look uneven by chance."""
 
 
-def _busy_processes(seconds: float = 2.0) -> float:
-    """Other processes running or waiting to run, on average over `seconds` (/proc/loadavg's runnable
-    count, this reader excluded): 0 on an idle machine, whatever ran a minute ago."""
-    samples = []
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        with open("/proc/loadavg") as f:
-            samples.append(int(f.read().split()[3].split("/")[0]) - 1)
-        time.sleep(0.1)
-    return statistics.mean(samples)
-
-
-def _wait_until_quiet(limit_s: float = 30.0) -> None:
-    """Before a calm phase: wait (up to limit_s) until no other process competes for the cores; say so
-    on stdout (the test log) when it waited, or when the machine stayed busy (the calm checks are then
-    relaxed by `_calm_was_disturbed`, which reads the load over the calm phase itself)."""
-    start = time.monotonic()
-    busy = _busy_processes()
-    while busy >= 1.0 and time.monotonic() - start < limit_s:
-        busy = _busy_processes()
-    waited = time.monotonic() - start
-    if busy >= 1.0:
-        print(
-            f"machine still busy after {waited:.0f} s ({busy:.1f} other runnable processes): starting anyway"
-        )
-    elif waited > 2.5:
-        print(f"waited {waited:.0f} s for the machine to be quiet before the calm phase")
-
-
 def _calm_was_disturbed(extra: str) -> bool:
     """Whether outside load disturbed the run's calm phase; says so on stdout (the test log) if it did."""
     load = CALM_LOAD.get(extra, 0.0)
@@ -114,7 +85,7 @@ def _contended_run(out, gpt_data, extra: str) -> tuple[list[dict], int]:
     if cores is None:
         skip_or_fail("needs two CPU cores to pin the two ranks to (os.sched_getaffinity)")
     metrics = out / "metrics.jsonl"
-    _wait_until_quiet()
+    wait_until_quiet()
     args = [
         str(REPO / "pretrain_gpt.py"),
         *GPT_MODEL,

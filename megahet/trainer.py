@@ -277,9 +277,26 @@ class Trainer:
 
     def save(self) -> None:
         """Save a checkpoint of this step into train.save (every rank calls it)."""
-        path, seconds = checkpoint.save(self)
+        path, seconds = checkpoint.save(self.checkpoint_parts(), self.progress())
         self.last_saved = self.iteration
         self.logger.print(f"megahet: saved checkpoint {path} (step {self.iteration}) in {seconds:.2f} s")
+
+    def checkpoint_parts(self) -> checkpoint.CheckpointParts:
+        """What a checkpoint of this Trainer saves and restores (megahet/checkpointing/checkpoint.py)."""
+        return checkpoint.CheckpointParts(
+            self.cfg, self.layout, self.engine, tuple(self.step_hooks), self.task.vocab_size,
+            self.task.tokenizer_model, self.logger.print,
+        )  # fmt: skip
+
+    def progress(self) -> checkpoint.Progress:
+        """The step done and the samples consumed up to it (from where this run started)."""
+        start = checkpoint.Progress(self.start_iteration, self.start_sample)
+        return start.advanced(self.iteration - self.start_iteration, self.cfg.train.global_batch_size)
+
+    def resume_at(self, progress: checkpoint.Progress) -> None:
+        """Go on from a loaded checkpoint's progress."""
+        self.iteration = self.start_iteration = progress.iteration
+        self.start_sample = progress.consumed_samples
 
     def _interval_metrics(self, window: list[dict[str, float]]) -> dict[str, float]:
         step_time = sum(r["step_time_s"] for r in window) / len(window)

@@ -92,7 +92,8 @@ def build_trainer(
     trainer.plan, trainer.extra_hooks = plan, tuple(extra_hooks)
     build_step_hooks(plan, trainer, resplits, extra_hooks)  # sets trainer.step_hooks, in their order
     if resume is not None:
-        seconds = checkpoint.load(trainer, resume, resplit=resplits > 0)
+        progress, seconds = checkpoint.load(trainer.checkpoint_parts(), resume, resplit=resplits > 0)
+        trainer.resume_at(progress)
         position = getattr(task.train_data, "seek", None)
         if position is None:
             raise ConfigError(

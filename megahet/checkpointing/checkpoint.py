@@ -28,7 +28,9 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,10 +51,41 @@ from megahet.checkpointing.finder import (
 from megahet.checkpointing.optimizer_state import load_into_engine
 from megahet.checkpointing.safe_load import load_file
 from megahet.compat.deepspeed_checkpoint import engine_loads_with, model_states_file
-from megahet.config import ConfigError
+from megahet.config import ConfigError, MegahetConfig
+from megahet.parallel import ParallelLayout
+from megahet.runtime.hooks import StepHook
 
 TMP_PREFIX = "tmp_"
 FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """Where training stands: the last step done and the samples consumed up to it."""
+
+    iteration: int
+    consumed_samples: int
+
+    def advanced(self, steps: int, global_batch_size: int) -> Progress:
+        return Progress(self.iteration + steps, self.consumed_samples + steps * global_batch_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointParts:
+    """What a checkpoint saves and restores, named: the DeepSpeed engine (model, ZeRO optimizer shards,
+    LR schedule), the step hooks (those `checkpointed` keep their state), and what megahet.json records
+    of the run. The Trainer hands these over (`Trainer.checkpoint_parts`); nothing else of it is read."""
+
+    cfg: MegahetConfig
+    layout: ParallelLayout
+    engine: Any
+    hooks: Sequence[StepHook] = ()
+    vocab_size: int | None = None
+    """The tokenizer's vocabulary (recorded: a reshard re-pads it for another TP)."""
+    tokenizer_model: str | None = None
+    """The task's tokenizer model file, copied into the checkpoint as tokenizer.model."""
+    say: Callable[[str], None] = print
+    """Where loading says what it restored and what starts fresh (rank 0's logger)."""
 
 
 # --- per-rank state: RNG streams and step hooks -----------------------------------------------------
@@ -100,7 +133,7 @@ def _same_settings(hook, saved: dict | None) -> bool:
     return shaping(_hook_settings(hook)) == shaping(saved)
 
 
-def _stateful_hooks(hooks: list) -> dict[str, object]:
+def _stateful_hooks(hooks: Sequence[StepHook]) -> dict[str, StepHook]:
     return {type(h).__name__: h for h in hooks if h.checkpointed}
 
 
@@ -136,34 +169,24 @@ TOKENIZER = "tokenizer.model"
 """The task's tokenizer model, copied into every checkpoint (export-hf ships it; reshard carries it)."""
 
 
-def _copy_tokenizer(task, folder: Path) -> None:
-    """Copy the task's tokenizer model file (Task.tokenizer_model, when it has one) into folder."""
-    source = getattr(task, "tokenizer_model", None)
-    if source is not None:
-        shutil.copyfile(Path(source).expanduser(), folder / TOKENIZER)
-
-
-def save(trainer, root: Path | None = None) -> tuple[Path, float]:
-    """Save the trainer's state into `root` (default train.save; all ranks call it); returns (folder,
+def save(parts: CheckpointParts, progress: Progress, root: Path | None = None) -> tuple[Path, float]:
+    """Save `parts` at `progress` into `root` (default train.save; all ranks call it); returns (folder,
     seconds). Rank 0 adds the task's tokenizer model (tokenizer.model) and megahet.json, then publishes."""
-    cfg, engine, layout = trainer.cfg, trainer.engine, trainer.layout
+    cfg, engine, layout = parts.cfg, parts.engine, parts.layout
     t0 = time.perf_counter()
     root = Path(cfg.train.save).expanduser() if root is None else root
-    tmp_tag = TMP_PREFIX + tag_name(trainer.iteration)
+    tmp_tag = TMP_PREFIX + tag_name(progress.iteration)
     tmp = root / tmp_tag
     if layout.rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(TMP_PREFIX + "*"):  # a crash mid-save left it: never complete, never loaded
             shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
     dist.barrier()
-    consumed = (
-        trainer.start_sample + (trainer.iteration - trainer.start_iteration) * cfg.train.global_batch_size
-    )
-    client_state = {"megahet": {"iteration": trainer.iteration, "consumed_samples": consumed}}
+    client_state = {"megahet": dataclasses.asdict(progress)}
     engine.save_checkpoint(str(root), tag=tmp_tag, client_state=client_state, save_latest=False)
     hooks = {
         name: {"settings": _hook_settings(h), "state": h.state_dict()}
-        for name, h in _stateful_hooks(trainer.step_hooks).items()
+        for name, h in _stateful_hooks(parts.hooks).items()
     }
     torch.save({"rng": rng_states(), "hooks": hooks}, tmp / rank_file(layout.rank))
     dist.barrier()
@@ -171,15 +194,15 @@ def save(trainer, root: Path | None = None) -> tuple[Path, float]:
     if layout.rank == 0:
         meta = {
             "format": FORMAT_VERSION,
-            "iteration": trainer.iteration,
-            "consumed_samples": consumed,
+            **dataclasses.asdict(progress),
             "layout": layout_of(cfg, layout.dp_size, layout.stage_layers),
             "world_size": layout.world_size,
             "model": dataclasses.asdict(cfg.model),
         }
-        if trainer.task.vocab_size is not None:  # the tokenizer's: a reshard re-pads it for another TP
-            meta["vocab_size"] = trainer.task.vocab_size
-        _copy_tokenizer(trainer.task, tmp)  # before _publish: listed with its size, checked on load
+        if parts.vocab_size is not None:  # the tokenizer's: a reshard re-pads it for another TP
+            meta["vocab_size"] = parts.vocab_size
+        if parts.tokenizer_model is not None:  # before _publish: listed with its size, checked on load
+            shutil.copyfile(Path(parts.tokenizer_model).expanduser(), tmp / TOKENIZER)
         final = _publish(tmp, meta)
         keep = cfg.train.keep_last
         if keep > 0:
@@ -242,12 +265,13 @@ def save_weights_only(
     return _publish(tmp, {**header, **meta})
 
 
-def load(trainer, resume: Resume, resplit: bool = False) -> float:
-    """Restore model, optimizer shards, LR schedule, RNG streams, data position and hook state; seconds.
-    From a weights-only checkpoint: the weights, the step and the data position only. `resplit`: the
-    stages were re-split in this process, which carries the RNG streams over itself."""
+def load(parts: CheckpointParts, resume: Resume, resplit: bool = False) -> tuple[Progress, float]:
+    """Restore model, optimizer shards, LR schedule, RNG streams and hook state into `parts`; returns the
+    saved progress (step, data position) and the seconds taken. From a weights-only checkpoint: the
+    weights and the progress only. `resplit`: the stages were re-split in this process, which carries
+    the RNG streams over itself."""
     t0 = time.perf_counter()
-    engine = trainer.engine
+    engine = parts.engine
     weights_only = bool(resume.meta.get("weights_only"))
     with engine_loads_with(engine, load_file):  # DeepSpeed's reads, safe and naming a bad file
         # load_module_only: DeepSpeed then copies the loaded weights into ZeRO's fp32 master partitions
@@ -259,36 +283,32 @@ def load(trainer, resume: Resume, resplit: bool = False) -> float:
     if load_path is None:
         raise ConfigError(f"train.load: DeepSpeed found no model states in checkpoint {resume.path}")
     state = client_state["megahet"]
-    trainer.iteration = trainer.start_iteration = state["iteration"]
-    trainer.start_sample = state["consumed_samples"]
+    progress = Progress(state["iteration"], state["consumed_samples"])
     if weights_only:
-        trainer.logger.print(
-            f"megahet: {resume.path} is a weights-only checkpoint: loaded the weights, step {trainer.iteration} "
-            f"and {trainer.start_sample} consumed samples; the optimizer (AdamW moments) and the LR schedule "
+        parts.say(
+            f"megahet: {resume.path} is a weights-only checkpoint: loaded the weights, step {progress.iteration} "
+            f"and {progress.consumed_samples} consumed samples; the optimizer (AdamW moments) and the LR schedule "
             f"restart from scratch (warmup again), RNG streams and step-hook state start fresh"
         )
-        return time.perf_counter() - t0
-    if per_parameter(resume):
-        _load_per_parameter(trainer, resume, resplit)
-        return time.perf_counter() - t0
-    mine = load_file(resume.path / rank_file(trainer.layout.rank))
-    set_rng_states(mine["rng"])
-    for name, hook in _stateful_hooks(trainer.step_hooks).items():
-        saved = mine["hooks"].get(name)
-        if saved is None or not _same_settings(hook, saved["settings"]):
-            trainer.logger.print(
-                f"megahet: checkpoint has no {name} state for these settings: it starts fresh"
-            )
-            continue
-        hook.load_state_dict(saved["state"])
-    return time.perf_counter() - t0
+    elif per_parameter(resume):
+        _load_per_parameter(parts, resume, resplit)
+    else:
+        mine = load_file(resume.path / rank_file(parts.layout.rank))
+        set_rng_states(mine["rng"])
+        for name, hook in _stateful_hooks(parts.hooks).items():
+            saved = mine["hooks"].get(name)
+            if saved is None or not _same_settings(hook, saved["settings"]):
+                parts.say(f"megahet: checkpoint has no {name} state for these settings: it starts fresh")
+                continue
+            hook.load_state_dict(saved["state"])
+    return progress, time.perf_counter() - t0
 
 
-def _load_per_parameter(trainer, resume: Resume, resplit: bool = False) -> None:
+def _load_per_parameter(parts: CheckpointParts, resume: Resume, resplit: bool = False) -> None:
     """A resharded checkpoint: this TP x PP rank's fp32 masters, Adam moments and step, and the LR
     schedule; RNG streams and step hooks (whose state belongs to the old layout) start fresh, but for
     what a re-split carries over in memory (megahet/runtime/resplit.py)."""
-    layout, engine = trainer.layout, trainer.engine
+    layout, engine = parts.layout, parts.engine
     saved = load_file(resume.path / optimizer_file(layout.pp_rank * layout.tp_size + layout.tp_rank))
     load_into_engine(engine, saved)
     if saved.get("lr_scheduler") is not None and engine.lr_scheduler is not None:
@@ -300,7 +320,7 @@ def _load_per_parameter(trainer, resume: Resume, resplit: bool = False) -> None:
         if resplit
         else "RNG streams and step-hook state (the balancer's) start fresh"
     )
-    trainer.logger.print(
+    parts.say(
         f"megahet: {resume.path} was resharded from {resume.meta['resharded_from']['layout']}: loaded the weights, "
         f"the optimizer state (fp32 masters, Adam moments, step {saved['step']}) and the LR schedule; {fresh}"
     )

@@ -78,7 +78,7 @@ def resplit(trainer, rebuild: Callable[[RunPlan, finder.Resume, int], object]):
     t0 = time.perf_counter()
     root = resplit_root(cfg)
     if trainer.last_saved != step:
-        checkpoint.save(trainer, root)
+        checkpoint.save(trainer.checkpoint_parts(), trainer.progress(), root)
     t_saved = time.perf_counter()
     rng = checkpoint.rng_states()
     carried = {type(h).__name__: h.state_dict() for h in trainer.step_hooks if h.split_free}

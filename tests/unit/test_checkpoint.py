@@ -97,6 +97,29 @@ def _trainer(cfg: MegahetConfig, layout, hook_mode: str = "a"):
     )
 
 
+def _parts(trainer) -> checkpoint.CheckpointParts:
+    return checkpoint.CheckpointParts(
+        trainer.cfg, trainer.layout, trainer.engine, trainer.step_hooks, trainer.task.vocab_size,
+        say=trainer.logger.print,
+    )  # fmt: skip
+
+
+def _save(trainer, root: Path | None = None) -> tuple[Path, float]:
+    start = checkpoint.Progress(trainer.start_iteration, trainer.start_sample)
+    progress = start.advanced(
+        trainer.iteration - trainer.start_iteration, trainer.cfg.train.global_batch_size
+    )
+    return checkpoint.save(_parts(trainer), progress, root)
+
+
+def _load(trainer, resume: finder.Resume) -> float:
+    """checkpoint.load into the fake trainer's parts; it goes on from the loaded progress."""
+    progress, seconds = checkpoint.load(_parts(trainer), resume)
+    trainer.iteration = trainer.start_iteration = progress.iteration
+    trainer.start_sample = progress.consumed_samples
+    return seconds
+
+
 def _steps(trainer, n: int) -> list[float]:
     """n training steps whose data and noise come from the RNG streams (so those must be restored)."""
     losses = []
@@ -276,7 +299,7 @@ def test_resume_continues_exactly(world1, tmp_path: Path) -> None:
     cfg = _cfg(tmp_path)
     full = _trainer(cfg, world1)
     _steps(full, 3)
-    path, _ = checkpoint.save(full)
+    path, _ = _save(full)
     assert path.name == "iter_0000003" and (tmp_path / "ck" / "latest").read_text() == "iter_0000003"
     expected = _steps(full, 4)
     expected_params, expected_lr = _params(full), full.engine.get_lr()
@@ -284,7 +307,7 @@ def test_resume_continues_exactly(world1, tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, **{"train.load": str(tmp_path / "ck")})
     random.seed(99), np.random.seed(99), torch.manual_seed(99)  # the restored streams must win
     resumed = _trainer(cfg, world1)
-    checkpoint.load(resumed, finder.find_resume(cfg))
+    _load(resumed, finder.find_resume(cfg))
     assert (resumed.iteration, resumed.start_iteration, resumed.start_sample) == (3, 3, 12)
     assert resumed.step_hooks[0].count == 3
     assert _steps(resumed, 4) == expected  # bit for bit: fp32 on one rank
@@ -294,7 +317,7 @@ def test_resume_continues_exactly(world1, tmp_path: Path) -> None:
     assert resumed.step_hooks[0].count == full.step_hooks[0].count == 7
 
     # Saving after the resume records the data position from the start sample on.
-    path, _ = checkpoint.save(resumed)
+    path, _ = _save(resumed)
     meta = json.loads((path / finder.META).read_text())
     assert meta["consumed_samples"] == 28
     assert meta["model"] == dataclasses.asdict(cfg.model)  # for the conversion tools
@@ -303,10 +326,10 @@ def test_resume_continues_exactly(world1, tmp_path: Path) -> None:
 def test_hook_state_for_other_settings_is_not_loaded(world1, tmp_path: Path) -> None:
     trainer = _trainer(_cfg(tmp_path), world1)
     _steps(trainer, 2)
-    checkpoint.save(trainer)
+    _save(trainer)
     cfg = _cfg(tmp_path, **{"train.load": str(tmp_path / "ck")})
     other = _trainer(cfg, world1, hook_mode="b")
-    checkpoint.load(other, finder.find_resume(cfg))
+    _load(other, finder.find_resume(cfg))
     assert other.step_hooks[0].count == 0
     assert any("_CountingHook" in m and "starts fresh" in m for m in other.messages)
 
@@ -315,7 +338,7 @@ def test_crash_mid_save_leaves_previous_checkpoint(world1, tmp_path: Path) -> No
     cfg = _cfg(tmp_path, **{"train.load": str(tmp_path / "ck")})
     trainer = _trainer(cfg, world1)
     _steps(trainer, 2)
-    checkpoint.save(trainer)
+    _save(trainer)
     saved = _params(trainer)
     _steps(trainer, 2)
     # A save of step 4 killed at various points: half-written files in the temporary tag, the
@@ -327,11 +350,11 @@ def test_crash_mid_save_leaves_previous_checkpoint(world1, tmp_path: Path) -> No
     resume = finder.find_resume(cfg)
     assert resume.path.name == "iter_0000002"
     fresh = _trainer(cfg, world1)
-    checkpoint.load(fresh, resume)
+    _load(fresh, resume)
     for name, value in _params(fresh).items():
         assert torch.equal(value, saved[name]), name
     # The next save clears the leftover and completes.
-    path, _ = checkpoint.save(trainer)
+    path, _ = _save(trainer)
     assert not (root / "tmp_iter_0000004").exists()
     assert finder.find_resume(cfg).path == path
 
@@ -341,12 +364,12 @@ def test_keep_last_and_same_step_saved_again(world1, tmp_path: Path) -> None:
     trainer = _trainer(cfg, world1)
     for _ in range(4):
         _steps(trainer, 1)
-        checkpoint.save(trainer)
+        _save(trainer)
     root = tmp_path / "ck"
     assert sorted(p.name for p in root.glob("iter_*")) == ["iter_0000003", "iter_0000004"]
     # A resumed run saving a step that exists keeps both (nothing saved is overwritten).
     trainer.cfg.train.keep_last = 0
-    path, _ = checkpoint.save(trainer)
+    path, _ = _save(trainer)
     assert path.name == "iter_0000004_2" and (root / "latest").read_text() == "iter_0000004_2"
     assert json.loads((root / "iter_0000004" / finder.META).read_text())["vocab_size"] == 1000
 
@@ -356,11 +379,11 @@ def test_corrupt_deepspeed_file_is_named(world1, tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, **{"train.load": str(tmp_path / "ck")})
     trainer = _trainer(cfg, world1)
     _steps(trainer, 1)
-    path, _ = checkpoint.save(trainer)
+    path, _ = _save(trainer)
     bad = path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     bad.write_bytes(b"\x80" + b"\x00" * (bad.stat().st_size - 1))
     with pytest.raises(ConfigError) as err:
-        checkpoint.load(_trainer(cfg, world1), finder.find_resume(cfg))
+        _load(_trainer(cfg, world1), finder.find_resume(cfg))
     one_line(err, str(bad), "truncated or corrupt")
 
 
@@ -385,14 +408,14 @@ def test_checkpoint_file_that_would_run_code_is_refused(world1, tmp_path: Path, 
     cfg = _cfg(tmp_path, **{"train.load": str(tmp_path / "ck")})
     trainer = _trainer(cfg, world1)
     _steps(trainer, 1)
-    path, _ = checkpoint.save(trainer)
+    path, _ = _save(trainer)
     marker = tmp_path / "ran"
     torch.save({"module": {}, "rng": _RunsCode(marker)}, path / victim)
     meta = json.loads((path / finder.META).read_text())
     meta["files"][victim] = (path / victim).stat().st_size
     (path / finder.META).write_text(json.dumps(meta))
     with pytest.raises(ConfigError) as err:
-        checkpoint.load(_trainer(cfg, world1), finder.find_resume(cfg))
+        _load(_trainer(cfg, world1), finder.find_resume(cfg))
     one_line(err, str(path / victim), "system", "does not load")
     assert not marker.exists()
 
@@ -404,7 +427,7 @@ def test_saved_files_name_only_allowed_types(world1, tmp_path: Path) -> None:
 
     trainer = _trainer(_cfg(tmp_path), world1)
     _steps(trainer, 1)
-    path, _ = checkpoint.save(trainer)
+    path, _ = _save(trainer)
     allowed = {f"{t.__module__}.{t.__qualname__}" for t in ALLOWED}
     for file in path.glob("*.pt"):
         named = set(torch.serialization.get_unsafe_globals_in_checkpoint(file))
@@ -427,7 +450,7 @@ def test_weights_only_load_restarts_the_optimizer(world1, tmp_path: Path) -> Non
     resume = finder.find_resume(cfg)
     finder.check_compatible(resume, cfg, dp=1)
     loaded = _trainer(cfg, world1)
-    checkpoint.load(loaded, resume)
+    _load(loaded, resume)
     assert (loaded.iteration, loaded.start_iteration, loaded.start_sample) == (3, 3, 12)
     assert any("weights-only" in m and "optimizer" in m and "restart" in m for m in loaded.messages)
     assert loaded.step_hooks[0].count == 0  # hook state starts fresh
@@ -460,7 +483,7 @@ def test_bf16_checkpoint_consolidates_to_the_fp32_master_weights(world1, tmp_pat
     cfg = _cfg(tmp_path, **{"train.precision": "bf16"})
     trainer = _trainer(cfg, world1)
     _steps(trainer, 3)
-    checkpoint.save(trainer)
+    _save(trainer)
     state, meta = consolidate(tmp_path / "ck")
     assert meta["iteration"] == 3
     for name, param in trainer.engine.module.named_parameters():

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-import types
 
 import pytest
 import torch
@@ -251,17 +250,9 @@ def test_save_puts_the_tokenizer_in_the_checkpoint(world1, spm_model, tmp_path):
         MegahetConfig(),
         {"train.save": str(tmp_path / "ck"), "train.global_batch_size": 4, "train.micro_batch_size": 4},
     )
-    trainer = types.SimpleNamespace(
-        cfg=cfg,
-        engine=build_engine(cfg, torch.nn.Linear(4, 4), 1, {}),
-        layout=world1,
-        iteration=3,
-        start_iteration=0,
-        start_sample=0,
-        step_hooks=[],
-        task=types.SimpleNamespace(vocab_size=PIECES, tokenizer_model=str(spm_model)),
-    )
-    folder, _ = checkpoint.save(trainer)
+    engine = build_engine(cfg, torch.nn.Linear(4, 4), 1, {})
+    parts = checkpoint.CheckpointParts(cfg, world1, engine, vocab_size=PIECES, tokenizer_model=str(spm_model))
+    folder, _ = checkpoint.save(parts, checkpoint.Progress(iteration=3, consumed_samples=12))
     assert (folder / "tokenizer.model").read_bytes() == spm_model.read_bytes()
     meta = json.loads((folder / "megahet.json").read_text())
     assert meta["files"]["tokenizer.model"] == spm_model.stat().st_size

@@ -28,6 +28,7 @@ from megatron.core import tensor_parallel
 from megahet.compat.cpu_shims import apply_cpu_shims
 from megahet.config import ConfigError
 from megahet.platform import cuda_available, distributed_backend
+from megahet.policy.mesh import coords_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +78,7 @@ def mesh_coords(world_size: int, tp: int, pp: int) -> list[tuple[int, int, int]]
     """(dp, pp, tp) of every global rank as megatron-core lays the mesh out (its default order
     "tp-cp-ep-dp-pp": TP fastest, then DP, then PP), known before any process group starts."""
     dp = check_world_size(world_size, tp, pp)
-    return [((rank // tp) % dp, rank // (tp * dp), rank % tp) for rank in range(world_size)]
+    return [coords_of(rank, tp, dp) for rank in range(world_size)]
 
 
 def _init_process_group(timeout_minutes: int) -> None:

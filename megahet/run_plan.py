@@ -31,6 +31,7 @@ from megahet.checkpointing.elastic import fit_layout, layout_note, needs_reshard
 from megahet.config import MegahetConfig
 from megahet.config_checks import ranks_per_node, validate
 from megahet.engine import fold_deepspeed_json
+from megahet.layout_plan import plan_for_launch
 from megahet.parallel import mesh_coords
 from megahet.policy.declared_speeds import parse_declared_speeds
 from megahet.policy.dp_shares import DataParallelShares, RankCoords, dp_shares, even_shares, replica_speeds
@@ -109,6 +110,11 @@ def plan_run(cfg: MegahetConfig, spec, world_size: int | None = None) -> RunPlan
     before any rank starts work. `spec`: the task (megahet.task.TaskSpec: vocab_size, preflight)."""
     world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     cfg, user_ds = fold_deepspeed_json(cfg)
+    spec.preflight(cfg)  # the inputs first: the planner and the checkpoint checks read the vocabulary
+    notes = []
+    if cfg.plan.auto:
+        cfg, planned = plan_for_launch(cfg, spec.vocab_size(cfg), world)
+        notes.append(planned)
     resume = finder.find_resume(cfg)
     if resume is not None:
         finder.check_model(resume, cfg, spec.vocab_size(cfg))
@@ -117,11 +123,10 @@ def plan_run(cfg: MegahetConfig, spec, world_size: int | None = None) -> RunPlan
     tp, pp = fit_layout(cfg, world) if full else (cfg.parallel.tp, cfg.parallel.pp)
     cfg = with_layout(cfg, tp, pp)
     dp = validate(cfg, world)
-    spec.preflight(cfg)
     speeds = declared_by_coords(cfg, world)
-    split = starting_split(cfg, speeds, spec.vocab_size(cfg), resume)  # after preflight: inputs checked
+    split = starting_split(cfg, speeds, spec.vocab_size(cfg), resume)
     reshard = full and needs_reshard(resume, cfg, world, split)
-    notes = [resume.note] if resume is not None and resume.note else []
+    notes += [resume.note] if resume is not None and resume.note else []
     if resume is not None:
         moved = layout_note(resume, asked, cfg, world, reshard)
         notes += [moved] if moved else []

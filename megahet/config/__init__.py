@@ -4,8 +4,8 @@ Role: configuration (the settings, as data).
 
     cfg = load_config(["--config", "examples/cpu/gpt_tp2_pp2.yaml", "--train.lr", "3e-4"])
 
-Sections are `model`, `parallel`, `train`, `data`, `logging`, `resize`, `device`, `balance` and
-`hetero` (megahet/config/sections.py); a key is overridden on the command line as
+Sections are `model`, `parallel`, `train`, `data`, `logging`, `resize`, `device`, `balance`,
+`hetero` and `plan` (megahet/config/sections.py); a key is overridden on the command line as
 `--section.key value` (or `--section.key=value`, megahet/config/loading.py).
 DeepSpeed users' habits also work:
 `--deepspeed_config ds.json` (or `--deepspeed ds.json`) merges a ds_config over the one megahet
@@ -32,6 +32,7 @@ from megahet.config.sections import (
     MegahetConfig,
     ModelConfig,
     ParallelConfig,
+    PlanConfig,
     ResizeConfig,
     TrainConfig,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "MegahetConfig",
     "ModelConfig",
     "ParallelConfig",
+    "PlanConfig",
     "ResizeConfig",
     "TrainConfig",
     "apply_overrides",

@@ -105,7 +105,10 @@ def config_help(defaults: MegahetConfig | None = None) -> str:
     """Every `--section.key` with its default and documentation."""
     cfg = defaults if defaults is not None else MegahetConfig()
     lines = [
-        "usage: SCRIPT [--config FILE.yaml] [--deepspeed_config DS.json] [--section.key VALUE ...]",
+        (
+            "usage: SCRIPT [--config FILE.yaml] [--deepspeed_config DS.json] [--plan auto --cluster FILE.yaml] "
+            "[--section.key VALUE ...]"
+        ),
         "",
     ]
     for name in SECTIONS:
@@ -145,6 +148,8 @@ def _parse_argv(argv: list[str]) -> tuple[str | None, dict[str, Any]]:
             config_file = value
         elif name in ("deepspeed_config", "deepspeed"):
             overrides["train.deepspeed_config"] = value
+        elif name in ("plan", "cluster"):  # --plan auto --cluster cluster.yaml (the layout planner)
+            overrides[f"plan.{'mode' if name == 'plan' else 'cluster'}"] = value
         else:
             overrides[name.replace("-", "_")] = value
     return config_file, overrides

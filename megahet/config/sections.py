@@ -326,6 +326,29 @@ class HeteroConfig(_Section):
 
 
 @dataclasses.dataclass(kw_only=True)
+class PlanConfig(_Section):
+    """The layout planner (docs/planning.md): choose the layout for a described mixed cluster, then run it
+    (`--plan auto --cluster cluster.yaml`; `tools/plan.py` prints and writes the plans instead)."""
+
+    mode: Literal["off", "auto"] = "off"
+    """auto: set parallel.tp, parallel.pp, parallel.zero_stage, parallel.stage_layers, train.micro_batch_size
+    and the DP shares (hetero.speeds, declared) to the fastest plan for plan.cluster that fits in memory,
+    with the nodes in the order the cluster file lists them (the order they were launched in)."""
+    cluster: str | None = None
+    """The cluster description, a YAML file: nodes with their GPU kind, count, memory, rate and links."""
+    micro_batches: str = "1,2,4,8"
+    """Micro-batch sizes the planner may choose from (those that divide train.global_batch_size)."""
+    memory_reserve: float = 0.1
+    """Fraction of each GPU's memory the plan leaves free (CUDA context, allocator fragmentation)."""
+    efficiency: float = 1.0
+    """Fraction of each node's tflops the matmuls reach (1: the cluster file gives effective rates)."""
+
+    @property
+    def auto(self) -> bool:
+        return self.mode == "auto"
+
+
+@dataclasses.dataclass(kw_only=True)
 class MegahetConfig(_Section):
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
@@ -336,6 +359,7 @@ class MegahetConfig(_Section):
     device: DeviceConfig = dataclasses.field(default_factory=DeviceConfig)
     balance: BalanceConfig = dataclasses.field(default_factory=BalanceConfig)
     hetero: HeteroConfig = dataclasses.field(default_factory=HeteroConfig)
+    plan: PlanConfig = dataclasses.field(default_factory=PlanConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -231,27 +231,27 @@ def search(
     cluster: Cluster,
     shape_for: Callable[[int], ModelShape],
     setting: TrainSetting,
-    fits: Callable[[int, int, int, int], bool] = lambda tp, pp, micro_batch, zero_stage: True,
+    fits: Callable[[Plan], bool] = lambda plan: True,
+    orders: list[tuple[int, ...]] | None = None,
 ) -> list[Plan]:
     """Every plan that runs and fits, fastest first (ties: less memory; of plans that differ only by which
     replica runs where, the first launch order). `shape_for(tp)`: the model's
     shape with its vocabulary padded for that TP; `fits(tp, pp, micro_batch, zero_stage)`: the
-    configuration's own checks (heads, groups and layers divisible, ...: tools/plan.py passes megahet's
-    validation)."""
+    configuration's own checks of a plan's settings (heads, groups and layers divisible, ZeRO-2 without
+    DP shares, ...: megahet/layout_plan.py passes megahet's validation); `orders`: the launch orders to
+    try (default `node_orders`; a job already launched has only its own)."""
     plans = []
     world, per_node = cluster.world_size, cluster.gpus_per_node
     for tp in (t for t in range(1, per_node + 1) if per_node % t == 0):
         for pp in (p for p in range(1, world // tp + 1) if (world // tp) % p == 0):
             for micro_batch in setting.micro_batches:
                 for zero_stage in setting.zero_stages:
-                    if not fits(tp, pp, micro_batch, zero_stage):
-                        continue
-                    for order in node_orders(cluster):
+                    for order in orders if orders is not None else node_orders(cluster):
                         plan = evaluate(
                             cluster, shape_for(tp), setting, tp=tp, pp=pp, micro_batch=micro_batch,
                             zero_stage=zero_stage, node_order=order,
                         )  # fmt: skip
-                        if plan is not None:
+                        if plan is not None and fits(plan):
                             plans.append(plan)
     unique: dict[tuple, Plan] = {}
     for plan in sorted(plans, key=lambda p: (p.step_s, p.peak_gib)):

@@ -193,7 +193,7 @@ SETTING = TrainSetting(global_batch=16, micro_batches=(1, 2, 4), precision="fp32
 def test_every_plan_runs_fits_and_passes_the_callers_checks() -> None:
     cluster = _cluster([1.0, 1.0, 0.5, 0.5])
     refused = {(2, 2)}  # the caller's checks refuse TP 2 x PP 2 (e.g. heads not divisible)
-    plans = search(cluster, _shape_for, SETTING, fits=lambda tp, pp, mb, zero: (tp, pp) not in refused)
+    plans = search(cluster, _shape_for, SETTING, fits=lambda plan: (plan.tp, plan.pp) not in refused)
     assert plans and plans == sorted(plans, key=lambda p: (p.step_s, p.peak_gib))
     for p in plans:
         assert (p.tp, p.pp) not in refused and cluster.gpus_per_node % p.tp == 0

@@ -48,7 +48,9 @@ def with_plan(cfg: MegahetConfig, plan: Plan) -> MegahetConfig:
         planned.parallel.stage_layers = None
     if plan.shares.even:
         h.speeds = None
-    h.dp_shares = "measured" if asked.dp_shares == "measured" else ("even" if plan.shares.even else "declared")
+    h.dp_shares = (
+        "measured" if asked.dp_shares == "measured" else ("even" if plan.shares.even else "declared")
+    )
     h.pp_split = "measured" if asked.pp_split == "measured" else "even"
     return planned
 

@@ -6,9 +6,10 @@ Real mixed clusters are not available here, so each rank can run on a *virtual d
 s(t) comes from a profile. The work the rank actually executes (the FLOPs of the units it computed,
 migrated-in units included, from the resizable layers' counters; backward = 2 x forward) is charged
 `work / (rate x s(t))`, and just before every collective of a compute region (megahet/runtime/timing.py) the
-device sleeps the part of the charge since the previous collective that its real compute did not use.
-Where the host is slower than `rate` (a busy machine), the charge is the real compute / speed instead,
-so the emulated speed ratios hold whatever the host's load.
+device sleeps what the step's charge so far owes beyond the charged work's real compute and the time
+already slept. Accounting over the step keeps a busy machine out of the emulated speed: a sleep that
+wakes late is taken off the next ones, and where the host runs the charged work slower than `rate` the
+charge is the real compute / speed, so the speed ratios hold whatever the host's load.
 So the delay sits inside the rank's compute, before the collective that ends the block, and its TP
 peers wait in that collective exactly as they do behind a really slow GPU. Resizing and migration
 change the delay because they change the work. Nothing reads the profile or the charge to balance:
@@ -55,13 +56,10 @@ class VirtualDevice:
         self.profile, self.tp_rank, self.tp_size = profile, tp_rank, tp_size
         self.rate = rate_gflops * 1e9
         self.step = 0
-        self.charge_s = 0.0  # emulated compute of the current step: work / (rate x speed) or real / speed
-        self.nominal_s = (
-            0.0  # work / (rate x speed) of the current step: the charge on a host as fast as rate
-        )
-        self.overrun_s = (
-            0.0  # real compute beyond flops / (rate x speed) this step: > 0 means rate is too high
-        )
+        # This step so far: its emulated compute (charge_s), the charge on a host as fast as rate
+        # (nominal_s), the real compute beyond it (overrun_s > 0: rate is too high for this host), and the
+        # charged work's real compute and the time really slept.
+        self.charge_s = self.nominal_s = self.overrun_s = self._real_s = self._slept_s = 0.0
         self.work: Callable[[], int] = lambda: 0
         """FLOPs executed so far (forward + backward), cumulative."""
         self.clock: CommClock | None = None
@@ -80,29 +78,35 @@ class VirtualDevice:
             self.clock.before_collective.remove(self.pay)
 
     def set_step(self, step: int) -> None:
-        self.step, self.charge_s, self.nominal_s, self.overrun_s = step, 0.0, 0.0, 0.0
+        self.step = step
+        self.charge_s = self.nominal_s = self.overrun_s = self._real_s = self._slept_s = 0.0
 
     @property
     def speed(self) -> float:
         return self.profile.speed(self.tp_rank, self.step, self.tp_size)
 
     def charge(self, flops: int, real_s: float) -> float:
-        """Account `flops` that really took `real_s`; sleep the rest of their charge; return it.
+        """Account `flops` that really took `real_s`; sleep what the step owes so far; return it.
 
-        The charge is `flops / (rate x speed)`, or `real_s / speed` where the host ran them slower than
-        `rate` (a busy machine): the rank then stays 1/speed times slower than its real compute, so a
-        slow virtual device is still slow when every rank's real compute is slow."""
+        Accounted over the step so far: it is charged `work / (rate x speed)`, or `real / speed` where the
+        host ran the charged work slower than `rate` (a busy machine: the rank then stays 1/speed times
+        slower than its real compute, so a slow virtual device is still slow when every rank's real
+        compute is slow). Each payment sleeps the charge less the real compute and the time already slept:
+        a sleep that wakes late (a busy machine) is taken off the next ones, so a step's many short sleeps
+        add up to its charge, not to the charge plus every wake-up's delay."""
         if not flops:
             return 0.0  # compute outside the blocks (embedding, loss) is not charged
-        nominal = flops / (self.rate * self.speed)
-        self.nominal_s += nominal
-        self.overrun_s += max(real_s - nominal, 0.0)
-        charge = max(nominal, real_s / self.speed)
-        self.charge_s += charge
-        rest = charge - real_s
-        if rest > 0:
-            time.sleep(rest)
-        return max(rest, 0.0)
+        self.nominal_s += flops / (self.rate * self.speed)
+        self._real_s += real_s
+        self.overrun_s = max(self._real_s - self.nominal_s, 0.0)
+        self.charge_s = max(self.nominal_s, self._real_s / self.speed)
+        rest = self.charge_s - self._real_s - self._slept_s
+        if rest <= 0:
+            return 0.0
+        t0 = time.perf_counter()
+        time.sleep(rest)
+        self._slept_s += time.perf_counter() - t0
+        return rest
 
     def pay(self) -> None:
         """Before a collective (or the end of a compute region): charge the work since the last payment

@@ -3,15 +3,21 @@ steps, and the plan returns to the even split when the straggler recovers (2-ran
 `--balance.mode migrate`, virtual devices with a speed schedule; real pretrain_vit.py launch). The
 virtual device only slows its rank down: what the balancer and the console see is each rank's measured
 own compute (compute regions minus collective waits), never the device's charge. The per-rank
-telemetry (speed, plan, compute efficiency) and the `--balance.trace` JSONL + PNG follow it."""
+telemetry (speed, plan, compute efficiency) and the `--balance.trace` JSONL + PNG follow it.
+
+The run starts on a quiet machine (it waits up to 30 s for one). Measured times are checked per phase,
+by their median over the phase's steps, with margins from the emulated speeds: another job that slows
+a step or two (a shared 2-core machine) moves no decision, and the checks still fail without the
+balancer (the straggler's 4x stays in every step)."""
 
 from __future__ import annotations
 
 import itertools
 import json
+import statistics
 
 import pytest
-from harness import torchrun
+from harness import torchrun, wait_until_quiet
 
 SLOW_FROM, SLOW_UNTIL, STEPS = 6, 24, 36
 SLOW = 0.25  # the straggler's emulated speed: a gap of 0.75
@@ -37,6 +43,7 @@ def records(run_dir) -> list[dict]:
         f"--logging.wandb false --logging.metrics_file {metrics} --logging.log_dir {out} "
         f"--balance.trace {out / 'trace.jsonl'}"
     ).split()
+    wait_until_quiet(before="the balance run")
     torchrun("../../pretrain_vit.py", 2, args, cwd=out, timeout=300)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     return [r for r in rows if "loss" in r]
@@ -44,6 +51,14 @@ def records(run_dir) -> list[dict]:
 
 def _balanced_work(r: dict) -> bool:
     return r["block_gflops_max"] == r["block_gflops_min"]
+
+
+def _median(by_step: dict, steps, key) -> float:
+    return statistics.median(key(by_step[s]) for s in steps)
+
+
+def _spread(r: dict) -> float:
+    return r["compute_max_s"] / r["compute_min_s"]
 
 
 def test_straggler_detected_and_work_migrated_within_a_few_steps(records):
@@ -65,12 +80,15 @@ def test_straggler_detected_and_work_migrated_within_a_few_steps(records):
     unbalanced = by_step[SLOW_FROM + 1]
     assert unbalanced["compute_max_s"] > 0.875 / SLOW * unbalanced["compute_min_s"]
     assert unbalanced["device_charge_s_max"] > 0.875 / SLOW * unbalanced["device_charge_s_min"]
-    for s in range(reacted + 1, SLOW_UNTIL):
-        assert by_step[s]["compute_max_s"] < 1.35 * by_step[s]["compute_min_s"], (s, by_step[s])
+    migrated = range(reacted + 1, SLOW_UNTIL)
+    print(
+        f"migrated compute spread (max / min) per step: {[round(_spread(by_step[s]), 3) for s in migrated]}"
+    )
+    assert _median(by_step, migrated, _spread) < 1.35
     # Before the straggler, the two ranks' measured compute agrees within the healthy gap.
-    spread = [by_step[s]["compute_max_s"] / by_step[s]["compute_min_s"] for s in range(2, SLOW_FROM + 1)]
+    spread = [_spread(by_step[s]) for s in range(2, SLOW_FROM + 1)]
     print(f"calm compute spread (max / min) per step: {[round(x, 3) for x in spread]}")
-    assert max(spread) < 1 / (1 - HEALTHY_GAP), spread
+    assert statistics.median(spread) < 1 / (1 - HEALTHY_GAP), spread
 
 
 def test_plan_returns_to_even_when_the_straggler_recovers(records):
@@ -89,19 +107,20 @@ def test_plan_returns_to_even_when_the_straggler_recovers(records):
 
 def test_console_and_wandb_metrics_show_each_ranks_speed_plan_and_efficiency(records):
     by_step = {r["step"]: r for r in records}
-    # Measured, not charged: alike ranks agree within a few percent.
-    calm = by_step[SLOW_FROM]
-    assert calm["speed_tp1"] == pytest.approx(1.0, abs=0.05) and calm["balance_eff"] == pytest.approx(
-        1.0, abs=0.05
-    )
+    # Measured, not charged: alike ranks agree within a few percent (the calm phase's median).
+    calm = range(3, SLOW_FROM + 1)
+    assert _median(by_step, calm, lambda r: r["speed_tp1"]) == pytest.approx(1.0, abs=0.05)
+    assert _median(by_step, calm, lambda r: r["balance_eff"]) == pytest.approx(1.0, abs=0.05)
     slow = by_step[SLOW_FROM + 1]
     assert slow["balance_eff"] < 0.5  # 4x apart: ideal 1.6 / 4 = 0.4
+    late = range(SLOW_UNTIL - 8, SLOW_UNTIL)  # migrated, the speeds measured on the migrated work
+    assert _median(by_step, late, lambda r: r["speed_tp1"]) == pytest.approx(0.25, rel=0.1)
     balanced = by_step[SLOW_UNTIL - 1]
-    assert balanced["speed_tp1"] == pytest.approx(0.25, rel=0.1) and balanced["speed_tp0"] == 1.0
+    assert balanced["speed_tp0"] == 1.0
     # Rank 1 hands units to rank 0 (moved > 0 for an owner, < 0 for its helper); nothing dropped.
     assert balanced["moved_tp1"] > 0.3 and balanced["moved_tp0"] == pytest.approx(-balanced["moved_tp1"])
     assert balanced["gamma_tp0"] == balanced["gamma_tp1"] == 0.0
-    assert balanced["balance_eff"] > 0.85
+    assert _median(by_step, late, lambda r: r["balance_eff"]) > 0.85
     assert by_step[STEPS]["moved_tp1"] == 0.0
 
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import time
+import types
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from megahet.policy.speed_profile import SpeedProfile, parse_profile
+from megahet.runtime import devices
 from megahet.runtime.devices import DeviceStepHook, VirtualDevice, attach_virtual_device
 from megahet.runtime.timing import CommClock
 from megahet.tensor_parallel.executor import ResizeExecutor
@@ -74,17 +76,44 @@ def test_charge_sleeps_only_what_real_compute_did_not_use_and_keeps_the_ratio_on
     slept = device.charge(flops=int(0.02e9), real_s=0.01)  # 0.02 GFLOP at 0.5 GFLOP/s = 0.04 s
     assert slept == pytest.approx(0.03)
     assert time.perf_counter() - t0 >= 0.03
-    # the host ran 0.001 GFLOP in 0.1 s, slower than the rate (0.002 s at speed 0.5): the rank still runs
-    # at half the host's speed, so the charge is 0.1 / 0.5 and it sleeps the other 0.1 s
+    # The host then ran 0.001 GFLOP in 0.1 s: over the step, 0.11 s of real compute for 0.042 s of charge
+    # at the rate. The rank still runs at half the host's speed: the step is charged 0.11 / 0.5 = 0.22 s,
+    # of which 0.11 s was real and about 0.03 s slept.
+    device._slept_s = 0.03  # the first sleep's wake-up delay (tested below)
     t0 = time.perf_counter()
-    assert device.charge(flops=int(0.001e9), real_s=0.1) == pytest.approx(0.1)
-    assert time.perf_counter() - t0 >= 0.1
-    assert device.charge_s == pytest.approx(0.04 + 0.2)
-    assert device.overrun_s == pytest.approx(0.098)  # reported: the rate is too high for this rank
+    assert device.charge(flops=int(0.001e9), real_s=0.1) == pytest.approx(0.08)
+    assert time.perf_counter() - t0 >= 0.08
+    assert device.charge_s == pytest.approx(0.22) and device.nominal_s == pytest.approx(0.042)
+    assert device.overrun_s == pytest.approx(0.068)  # reported: the rate is too high for this rank
     assert device.charge(flops=0, real_s=0.5) == 0.0  # compute outside the blocks (embedding) is not charged
-    assert device.overrun_s == pytest.approx(0.098) and device.charge_s == pytest.approx(0.24)
+    assert device.overrun_s == pytest.approx(0.068) and device.charge_s == pytest.approx(0.22)
     device.set_step(5)
     assert device.charge_s == 0.0 and device.overrun_s == 0.0
+
+
+def test_charged_work_that_is_slow_in_one_payment_is_not_stretched_when_the_step_keeps_the_rate():
+    """A payment with little work and much real compute (a norm between two collectives) is not
+    stretched while the step's charged work as a whole runs faster than the rate."""
+    device = VirtualDevice(SpeedProfile("static", speeds=(0.25,)), tp_rank=0, tp_size=1, rate_gflops=1.0)
+    assert device.charge(flops=int(0.01e9), real_s=0.001) == pytest.approx(0.039)  # 0.04 s charged
+    assert device.charge(flops=int(1e3), real_s=0.002) == 0.0  # owes 4e-6 s; 0.002 s real: already paid
+    assert device.charge_s == pytest.approx(0.040004) and device.overrun_s == 0.0
+
+
+def test_a_late_wake_up_is_taken_off_the_next_sleeps(monkeypatch):
+    """Each sleep wakes 4 ms late (a busy machine): the step's sleeps still add up to its charge, but for
+    the last wake-up's delay, instead of the charge plus every delay."""
+    clock = [0.0]
+    fake = types.SimpleNamespace(
+        perf_counter=lambda: clock[0], sleep=lambda s: clock.__setitem__(0, clock[0] + s + 0.004)
+    )
+    monkeypatch.setattr(devices, "time", fake)
+    device = VirtualDevice(SpeedProfile("static", speeds=(0.5,)), tp_rank=0, tp_size=1, rate_gflops=1.0)
+    asked = [device.charge(flops=int(0.005e9), real_s=0.0) for _ in range(3)]  # 0.01 s owed each
+    assert asked == pytest.approx([0.01, 0.006, 0.006])
+    assert clock[0] == pytest.approx(0.03 + 0.004)
+    device.set_step(1)  # a new step owes nothing from the last one
+    assert device.charge(flops=int(0.005e9), real_s=0.0) == pytest.approx(0.01)
 
 
 def _tiny_gpt():

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import RESULTS, save_results, settings_to_args, torchrun
-from benchmarks.contention import core_share, pinned_launch, schedstat, two_cores
+from benchmarks.contention import core_share, pinned_launch, rank_pid, schedstat, two_cores
 from megahet.runtime.trace_plot import read_trace
 
 RUNS = RESULTS / "real_contention_runs"
@@ -63,20 +63,6 @@ COLUMNS = [
 ]
 
 
-def _rank_pid(local_rank: int) -> int | None:
-    """The pid of this machine's pin_ranks.py process of one local rank, if it runs."""
-    for environ in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            cmdline = (environ.parent / "cmdline").read_bytes()
-            if b"pin_ranks.py" not in cmdline or b"torch.distributed.run" in cmdline:
-                continue
-            if f"LOCAL_RANK={local_rank}".encode() in environ.read_bytes().split(b"\0"):
-                return int(environ.parent.name)
-        except OSError:
-            continue
-    return None
-
-
 class ShareMonitor(threading.Thread):
     """Samples rank 1's scheduler statistics while the run lasts: (time, on-CPU s, waiting s)."""
 
@@ -88,7 +74,7 @@ class ShareMonitor(threading.Thread):
     def run(self) -> None:
         pid = None
         while not self.done.wait(0.2):
-            pid = pid or _rank_pid(1)
+            pid = pid or rank_pid(1)
             if pid is not None:
                 try:
                     self.samples.append((time.monotonic(), *schedstat(pid)))

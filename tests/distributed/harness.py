@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.contention import descendants
 from megahet.launch import deepspeed_cmd, free_port, launch_env, torchrun_cmd  # noqa: F401 (shared)
 
 HERE = Path(__file__).resolve().parent
@@ -162,28 +163,11 @@ def wait_until_quiet(limit_s: float = 30.0, before: str = "the calm phase") -> f
     return busy
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every live process below pid (from /proc; empty where there is none)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
-
-
 def _kill_launch(proc: subprocess.Popen) -> None:
     """SIGKILL the launcher and every rank it started: torchrun starts each rank in a session of its
     own, so killing the launcher's process group would leave the ranks running (and holding our
     output pipe open)."""
-    for pid in [*_descendants(proc.pid), proc.pid]:
+    for pid in [*descendants(proc.pid), proc.pid]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

@@ -27,13 +27,14 @@ import pytest
 from harness import (
     GPT_MODEL,
     REPO,
-    _descendants,
     _kill_launch,
     free_port,
     launch_env,
     torchrun_cmd,
     wait_until_quiet,
 )
+
+from benchmarks.contention import rank_pid
 
 DEAD_RANK_BOUND_S = 5.0
 """How soon after a rank's death the job ends, as docs/checkpoints.md claims (measured 0.5-0.7 s)."""
@@ -45,18 +46,6 @@ COMMON = [
     "--train.eval_interval", "1000",
     "--logging.wandb", "false",
 ]  # fmt: skip
-
-
-def _rank_pid(launcher: int, rank: int) -> int | None:
-    """The pid of global rank `rank` among the launcher's descendants (from their environment)."""
-    for pid in _descendants(launcher):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in env and b"LOCAL_RANK=" + str(rank).encode() in env:
-            return pid
-    return None
 
 
 def _steps(metrics: Path) -> int:
@@ -82,7 +71,7 @@ def test_a_dead_rank_ends_the_job_quickly_naming_it(tmp_path: Path, gpt_data: li
         while _steps(metrics) < 3:  # mid-training
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
             time.sleep(0.05)
-        victim = _rank_pid(proc.pid, 3)
+        victim = rank_pid(3, launcher=proc.pid)
         assert victim is not None, "rank 3's process not found"
         os.kill(victim, signal.SIGKILL)
         killed = time.monotonic()

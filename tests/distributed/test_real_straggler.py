@@ -1,6 +1,8 @@
 """A real straggler, no virtual device: two ranks pinned to their own cores (tools/pin_ranks.py) train
-the GPT; part-way through, another process starts competing for rank 1's core (multi-tenant
-contention).
+the GPT; part-way through, two busy processes start competing for one rank's core (multi-tenant
+contention: it gets a third of its core): rank 1's, unless outside load already left one rank with less of its core (then that
+rank's, so that the contended rank is the slower one whichever core the machine loads). What each rank
+got of its core is read from the kernel (/proc/PID/schedstat) at every step, and the checks follow it.
 - TP=2 with `--balance.mode migrate`: before it, the measured speeds agree within a few percent and the
   balancer changes nothing; after it, rank 1's own compute (collective waits excluded) shows it slow,
   work migrates to rank 0 within a few steps, and its compute falls (the step time is the benchmark's
@@ -13,17 +15,22 @@ contention).
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
-import os
 import statistics
 import time
+from dataclasses import dataclass
 
 import pytest
 from harness import GPT_MODEL, REPO, finish, skip_or_fail, start_torchrun, wait_until_quiet
 
-from benchmarks.contention import competing_process, two_cores
+from benchmarks.contention import competing_process, core_share, rank_pid, schedstat, two_cores
 
 CALM_STEPS, STEPS = 6, 26
+CONTENDERS = 2
+"""Busy processes on the contended core: with two, a busy process elsewhere on the machine that the
+kernel moves to the other core (it balances the cores' loads) still leaves the contended rank slower."""
 
 
 # healthy_gap 0.2: two pinned ranks sharing a 2-core machine with the launcher and the OS measure up to
@@ -47,40 +54,65 @@ PP_SPLIT = (
 )
 
 
+CALM_SHARE = 0.8
+"""A rank that got less of its core than this in some calm step (its main thread, while it wanted to run)
+had another process competing with it: the calm phase was disturbed, and its checks are relaxed."""
+SKEW = 0.85
+"""Calm shares further apart than this ratio: outside load left one rank slower for the whole calm phase.
+That rank is the one contended next (contending the other would even them out)."""
+
+
+@dataclass
+class ContendedRun:
+    """A run's metrics and how much of its core each rank got, per phase (kernel scheduler statistics)."""
+
+    rows: dict[int, dict]  # step -> metrics row
+    contended_from: int  # the calm phase's last step; the competing processes start after it
+    slow: int  # the rank whose core the competing processes shared
+    calm_shares: list[float]  # per rank, over steps 3..contended_from
+    calm_lowest: float  # the lowest share of any rank in any calm step
+    contended_shares: list[float]  # per rank, from contended_from to the run's last step
+
+    @property
+    def fast(self) -> int:
+        return 1 - self.slow
+
+    @property
+    def disturbed(self) -> bool:
+        """Whether outside load competed with a rank during the calm phase (said in the test log)."""
+        return self.calm_lowest < CALM_SHARE
+
+    @property
+    def skewed(self) -> bool:
+        """Whether outside load left the slow rank with less of its core for the whole calm phase."""
+        return min(self.calm_shares) < SKEW * max(self.calm_shares)
+
+    def steps(self, first: int, last: int = STEPS) -> list[dict]:
+        return [self.rows[s] for s in range(first, last + 1)]
+
+    def first_step(self, after: int, test, **default) -> int | None:
+        """The first step after `after` whose row passes `test` (StopIteration, or `default=`, if none)."""
+        return next((s for s in range(after + 1, STEPS + 1) if test(self.rows[s])), *default.values())
+
+
 @pytest.fixture(scope="module")
-def records(tmp_path_factory, gpt_data) -> tuple[list[dict], int]:
+def tp_run(tmp_path_factory, gpt_data) -> ContendedRun:
     return _contended_run(tmp_path_factory.mktemp("real_straggler"), gpt_data, TP_BALANCE)
 
 
 @pytest.fixture(scope="module")
-def dp_records(tmp_path_factory, gpt_data) -> tuple[list[dict], int]:
+def dp_run(tmp_path_factory, gpt_data) -> ContendedRun:
     return _contended_run(tmp_path_factory.mktemp("real_straggler_dp"), gpt_data, DP_SHARES)
 
 
 @pytest.fixture(scope="module")
-def pp_records(tmp_path_factory, gpt_data) -> tuple[list[dict], int]:
+def pp_run(tmp_path_factory, gpt_data) -> ContendedRun:
     return _contended_run(tmp_path_factory.mktemp("real_straggler_pp"), gpt_data, PP_SPLIT)
 
 
-CALM_LOAD: dict[str, float] = {}
-"""Per run (its extra arguments): the 1-minute load average when its calm phase ended."""
-OUTSIDE_LOAD = 3.0
-"""A load average above this on the 2 cores the ranks are pinned to means other processes competed with
-the calm phase (the two ranks alone load them by about 2): the ranks then look uneven by chance."""
-
-
-def _calm_was_disturbed(extra: str) -> bool:
-    """Whether outside load disturbed the run's calm phase; says so on stdout (the test log) if it did."""
-    load = CALM_LOAD.get(extra, 0.0)
-    if load > OUTSIDE_LOAD:
-        print(
-            f"calm phase under outside load (1-min load average {load:.1f} on 2 cores): calm checks relaxed"
-        )
-    return load > OUTSIDE_LOAD
-
-
-def _contended_run(out, gpt_data, extra: str) -> tuple[list[dict], int]:
-    """The records of a 2-rank run whose rank 1 shares its core with a busy process after CALM_STEPS."""
+def _contended_run(out, gpt_data, extra: str) -> ContendedRun:
+    """A 2-rank run whose slower rank (rank 1 on a quiet machine) shares its core with a busy process
+    after CALM_STEPS; each rank's schedstat is read as each step's metrics appear."""
     cores = two_cores()
     if cores is None:
         skip_or_fail("needs two CPU cores to pin the two ranks to (os.sched_getaffinity)")
@@ -100,53 +132,93 @@ def _contended_run(out, gpt_data, extra: str) -> tuple[list[dict], int]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MEGAHET_CORES", ",".join(map(str, cores)))  # rank r on cores[r]
         proc, cmd = start_torchrun("../../tools/pin_ranks.py", 2, args, cwd=out)
-    contended_from = None
+    readings: dict[int, list[tuple[float, float]]] = {}  # step -> per rank (on-CPU s, waiting s)
+    pids: list[int | None] = [None, None]
+    contended_from, slow = None, 1
     deadline = time.monotonic() + 300
-    while proc.poll() is None and contended_from is None and time.monotonic() < deadline:
-        steps = [json.loads(line).get("step", 0) for line in _lines(metrics)]
-        if steps and max(steps) >= CALM_STEPS:
-            contended_from = max(steps)
-            break
-        time.sleep(0.05)
-    if contended_from is None:
+    with contextlib.ExitStack() as contention:
+        while proc.poll() is None and time.monotonic() < deadline:
+            step = max((json.loads(line).get("step", 0) for line in _lines(metrics)), default=0)
+            if step and step not in readings:
+                pids = [pid or rank_pid(r, launcher=proc.pid) for r, pid in enumerate(pids)]
+                with contextlib.suppress(OSError, TypeError):  # a rank not found yet, or ending
+                    readings[step] = [schedstat(pid) for pid in pids]
+            if contended_from is None and step >= CALM_STEPS and step in readings:
+                contended_from = step
+                shares = _shares(readings, 3, step)
+                slow = shares.index(min(shares)) if min(shares) < SKEW * max(shares) else 1
+                contention.enter_context(competing_process(cores[slow], CONTENDERS))
+            time.sleep(0.05)
         finish(proc, cmd, "pretrain_gpt.py", 2, timeout=30)
+    if contended_from is None:
         pytest.fail("the run ended or stalled before the contention could start")
-    CALM_LOAD[extra] = os.getloadavg()[0]  # over the calm phase's last minute: this run's 2 ranks + others
-    with competing_process(cores[1]):
-        finish(proc, cmd, "pretrain_gpt.py", 2, timeout=300)
-    rows = [json.loads(line) for line in _lines(metrics)]
-    return [r for r in rows if "loss" in r], contended_from
+    rows = {r["step"]: r for r in map(json.loads, _lines(metrics)) if "loss" in r}
+    calm = [s for s in readings if 3 <= s <= contended_from]
+    run = ContendedRun(
+        rows=rows,
+        contended_from=contended_from,
+        slow=slow,
+        calm_shares=_shares(readings, 3, contended_from),
+        calm_lowest=min(min(_shares(readings, a, b)) for a, b in itertools.pairwise(calm)),
+        contended_shares=_shares(readings, contended_from, max(readings)),
+    )
+    print(
+        f"core shares (schedstat): calm {_fmt(run.calm_shares)} (lowest step {run.calm_lowest:.2f}), "
+        f"contended {_fmt(run.contended_shares)}; rank {slow} contended after step {contended_from}"
+        + ("; calm phase disturbed by outside load: calm checks relaxed" if run.disturbed else "")
+    )
+    if not min(run.contended_shares) < SKEW * max(run.contended_shares):
+        skip_or_fail(
+            f"outside load evened out the ranks' cores while rank {slow} was contended (core shares "
+            f"{_fmt(run.contended_shares)}): no straggler to balance; rerun on a quieter machine"
+        )
+    return run
+
+
+def _shares(readings: dict[int, list[tuple[float, float]]], first: int, last: int) -> list[float]:
+    """Each rank's share of its core between the readings nearest after step `first` and at `last`."""
+    start = min(s for s in readings if s >= first)
+    return [core_share(a, b) for a, b in zip(readings[start], readings[last], strict=True)]
+
+
+def _fmt(shares: list[float]) -> str:
+    return "/".join(f"{s:.2f}" for s in shares)
 
 
 def _lines(path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
-def test_no_straggler_measured_speeds_agree_and_nothing_moves(records):
-    """Calm, the two ranks measure within the healthy gap and nothing moves. Another process on the
-    pinned cores during the calm phase (a busy shared machine: `_calm_was_disturbed` says so in the log)
-    is contention too: then the speeds need only agree within twice the gap, and a move is allowed."""
-    rows, contended_from = records
-    calm = [r for r in rows if 3 <= r["step"] <= contended_from]
+def test_no_straggler_measured_speeds_agree_and_nothing_moves(tp_run):
+    """Calm, the two ranks measure within the healthy gap and nothing moves. Outside load on the pinned
+    cores during the calm phase is contention too: if it left one rank slower throughout, no work moves
+    to that rank and it measures the slower; if it came and went, the speeds need only agree within
+    twice the gap, and a move is allowed."""
+    run = tp_run
+    calm = run.steps(3, run.contended_from)
     assert calm
-    disturbed = _calm_was_disturbed(TP_BALANCE)
+    slow, fast = f"speed_tp{run.slow}", f"speed_tp{run.fast}"
+    if run.skewed:
+        assert all(r[f"moved_tp{run.fast}"] <= 0.0 for r in calm), calm
+        assert statistics.median(r[slow] for r in calm) < statistics.median(r[fast] for r in calm), calm
+        return
     for r in calm:
-        assert min(r["speed_tp0"], r["speed_tp1"]) > 1 - (2 if disturbed else 1) * TP_HEALTHY_GAP, r
-        assert disturbed or (r["plan_changes_max"] == 0 and r["moved_tp1"] == 0.0), r
+        assert min(r[slow], r[fast]) > 1 - (2 if run.disturbed else 1) * TP_HEALTHY_GAP, r
+        assert run.disturbed or (r["plan_changes_max"] == 0 and r[f"moved_tp{run.slow}"] == 0.0), r
 
 
-def test_contended_rank_is_detected_and_work_migrates_within_a_few_steps(records):
-    rows, contended_from = records
-    by_step = {r["step"]: r for r in rows}
-    moved = next(s for s in range(contended_from + 1, STEPS + 1) if by_step[s]["moved_tp1"] > 0)
-    assert moved <= contended_from + (12 if _calm_was_disturbed(TP_BALANCE) else 6), (moved, contended_from)
-    late = [by_step[s] for s in range(moved + 3, STEPS + 1)]
-    # The competing process takes about half of rank 1's core: its measured speed says so.
-    assert statistics.median(r["speed_tp1"] for r in late) < 0.8
-    assert all(r["speed_tp0"] == 1.0 and r["moved_tp1"] > 0.1 for r in late)
+def test_contended_rank_is_detected_and_work_migrates_within_a_few_steps(tp_run):
+    run = tp_run
+    moved_key = f"moved_tp{run.slow}"
+    moved = run.first_step(run.contended_from, lambda r: r[moved_key] > 0)
+    assert moved <= run.contended_from + (12 if run.disturbed else 6), (moved, run.contended_from)
+    late = run.steps(moved + 3)
+    # The competing processes take about two thirds of the slow rank's core: its measured speed says so.
+    assert statistics.median(r[f"speed_tp{run.slow}"] for r in late) < 0.8
+    assert all(r[f"speed_tp{run.fast}"] == 1.0 and r[moved_key] > 0.1 for r in late)
 
 
-def test_slow_compute_falls_once_the_plan_changes(records):
+def test_slow_compute_falls_once_the_plan_changes(tp_run):
     """The slow rank's compute falls and the group's compute efficiency rises once work has moved: what
     the plan controls. The step time is a speed goal, measured side by side by
     benchmarks/real_contention.py (migrate 0.978 of the ideal speed-up), not asserted here: the gain is
@@ -156,50 +228,83 @@ def test_slow_compute_falls_once_the_plan_changes(records):
 
     The unbalanced steps are those after the contention started and before the plan changed: the
     balancer can react as early as the second (CI saw it), and the first may be only partly contended,
-    so the worst of them is the reference (a plan that moved on slow samples had at least one)."""
-    rows, contended_from = records
-    by_step = {r["step"]: r for r in rows}
-    moved = next(s for s in range(contended_from + 1, STEPS + 1) if by_step[s]["moved_tp1"] > 0)
-    unbalanced = [by_step[s] for s in range(contended_from + 1, moved)]
-    balanced = [by_step[s] for s in range(moved + 3, STEPS + 1)]
-    assert unbalanced, (contended_from, moved)
+    so the worst of them is the reference (a plan that moved on slow samples had at least one). Where
+    outside load had already moved work off the slow rank when calm, the change is the move beyond it
+    (measured: 0.31 of its units moved at a core share of 0.47, then 0.60 at 0.23)."""
+    run = tp_run
+    moved_key = f"moved_tp{run.slow}"
+    calm_moved = run.rows[run.contended_from][moved_key]
+    final = statistics.median(r[moved_key] for r in run.steps(STEPS - 4))
+    if final <= calm_moved + 0.02:
+        _already_balanced_for_the_outside_load(run)
+        return
+    # The change: past half of the way to the final plan (a small adjustment can come first).
+    moved = run.first_step(run.contended_from, lambda r: r[moved_key] > (calm_moved + final) / 2)
+    unbalanced = run.steps(run.contended_from + 1, moved - 1)
+    balanced = run.steps(moved + 3)
+    assert unbalanced, (run.contended_from, moved)
     worst_compute = max(r["compute_max_s"] for r in unbalanced)
     after = statistics.median(r["compute_max_s"] for r in balanced)
     print(f"slowest rank's compute: worst unbalanced {worst_compute:.3f} s, balanced median {after:.3f} s")
     # Direction with a margin, not the size of the gain: the contended rank's share of its core varies
-    # with whatever else runs (CI measured falls of 5-15 %); the balance itself is asserted below.
+    # with whatever else runs (CI measured falls of 5-15 %); the balance itself is asserted below (from
+    # a calm plan; a plan already made for a rank at half its core is off by less when it slows more).
     assert after < 0.97 * worst_compute
-    assert min(r["balance_eff"] for r in unbalanced) < 0.8
+    assert run.skewed or min(r["balance_eff"] for r in unbalanced) < 0.8
     assert statistics.median(r["balance_eff"] for r in balanced) > 0.9
 
 
-def test_contended_replica_gets_a_smaller_share_of_the_batch(dp_records):
-    rows, contended_from = dp_records
-    by_step = {r["step"]: r for r in rows}
-    calm = [by_step[s] for s in range(3, contended_from + 1)]
-    # Calm replicas measured up to ~12 % apart here (two pinned ranks on a 2-core machine): healthy
-    # (hetero.healthy_gap 0.15), and beyond it the hysteresis moves no sample for a gap below ~17 %.
-    # Another process on the pinned cores (a busy shared machine) makes them uneven by chance: then the
-    # calm phase is not held to that, and the reaction is given twice the steps (said in the log).
-    even = all(r["share_dp0"] == r["share_dp1"] == 8 for r in calm)
-    alike = all(min(r["speed_dp0"], r["speed_dp1"]) > 0.8 for r in calm)
-    disturbed = _calm_was_disturbed(DP_SHARES)
-    assert calm and ((even and alike) or disturbed), (calm, CALM_LOAD)
-    moved = next(s for s in range(contended_from + 1, STEPS + 1) if by_step[s]["share_dp1"] < 8)
-    assert moved <= contended_from + (12 if disturbed else 6), (moved, contended_from, CALM_LOAD)
-    late = [by_step[s] for s in range(moved + 3, STEPS + 1)]
-    assert statistics.median(r["speed_dp1"] for r in late) < 0.8
-    assert all(r["share_dp1"] < 8 and r["share_dp0"] + r["share_dp1"] == 16 for r in late), late
+def _already_balanced_for_the_outside_load(run: ContendedRun) -> None:
+    """No further move after the contention started: only right where outside load had already slowed the rank
+    as much in the calm phase (a second busy process on its core need not slow it further: the kernel
+    shares a core between process groups first), so that the calm plan was made for it. Then the rank's
+    estimated speed is what the kernel gave it, and the group is balanced."""
+    assert run.skewed, f"no work moved after rank {run.slow} was contended (shares {run.contended_shares})"
+    late = run.steps(run.contended_from + 1)
+    kernel = run.contended_shares[run.slow] / run.contended_shares[run.fast]
+    estimated = statistics.median(r[f"speed_tp{run.slow}"] for r in late)
+    print(f"calm plan kept: estimated speed {estimated:.2f}, kernel share ratio {kernel:.2f}")
+    assert abs(estimated - kernel) < 0.15, (estimated, kernel)
+    assert statistics.median(r["balance_eff"] for r in late) > 0.9
 
 
-def test_contended_stage_gets_fewer_layers(pp_records):
-    rows, contended_from = pp_records
-    by_step = {r["step"]: r for r in rows}
-    calm = [by_step[s]["layers_pp1"] for s in (contended_from, contended_from - 1)]
-    assert calm[0] == calm[1] >= 2, calm  # settled, with a layer to give
-    moved = next(s for s in range(contended_from + 1, STEPS + 1) if by_step[s]["layers_pp1"] < calm[0])
-    # window 3 + patience 2: the slow samples must be the median, then asked for twice, then one step
-    assert moved <= contended_from + 8, (moved, contended_from)
-    late = [by_step[s] for s in range(moved, STEPS + 1)]
-    assert all(r["layers_pp1"] < calm[0] and r["layers_pp0"] + r["layers_pp1"] == 8 for r in late), late
-    assert statistics.median(r["speed_pp1"] for r in late) < 0.8
+def test_contended_replica_gets_a_smaller_share_of_the_batch(dp_run):
+    """Calm replicas measured up to ~12 % apart here (two pinned ranks on a 2-core machine): healthy
+    (hetero.healthy_gap 0.15), and beyond it the hysteresis moves no sample for a gap below ~17 %.
+    Outside load on the pinned cores during the calm phase (a busy shared machine) makes them uneven by
+    chance: then the calm phase is not held to that (if it left one replica slower throughout, that one
+    never gets more than its half), and the reaction is given twice the steps (said in the log)."""
+    run = dp_run
+    slow, fast = f"share_dp{run.slow}", f"share_dp{run.fast}"
+    calm = run.steps(3, run.contended_from)
+    if run.skewed:
+        assert all(r[slow] <= r[fast] for r in calm), calm
+    else:
+        even = all(r[slow] == r[fast] == 8 for r in calm)
+        alike = all(min(r["speed_dp0"], r["speed_dp1"]) > 0.8 for r in calm)
+        assert calm and ((even and alike) or run.disturbed), calm
+    moved = run.first_step(run.contended_from, lambda r: r[slow] < 8)
+    assert moved <= run.contended_from + (12 if run.disturbed else 6), (moved, run.contended_from)
+    late = run.steps(moved + 3)
+    assert statistics.median(r[f"speed_dp{run.slow}"] for r in late) < 0.8
+    assert all(r[slow] < 8 and r[slow] + r[fast] == 16 for r in late), late
+
+
+def test_contended_stage_gets_fewer_layers(pp_run):
+    """The contended stage gives layers away within a few steps. Where outside load left it slower for the
+    whole calm phase, it may have given them already: it then ends with fewer than the run started with."""
+    run = pp_run
+    layers = f"layers_pp{run.slow}"
+    if run.skewed:
+        reference = run.rows[1][layers]
+        moved = run.first_step(0, lambda r: r[layers] < reference)
+    else:
+        calm = [run.rows[s][layers] for s in (run.contended_from, run.contended_from - 1)]
+        assert calm[0] == calm[1] >= 2, calm  # settled, with a layer to give
+        reference = calm[0]
+        moved = run.first_step(run.contended_from, lambda r: r[layers] < reference)
+        # window 3 + patience 2: the slow samples must be the median, then asked for twice, then one step
+        assert moved <= run.contended_from + 8, (moved, run.contended_from)
+    late = run.steps(max(moved, run.contended_from + 1))
+    assert all(r[layers] < reference and r["layers_pp0"] + r["layers_pp1"] == 8 for r in late), late
+    assert statistics.median(r[f"speed_pp{run.slow}"] for r in late) < 0.8

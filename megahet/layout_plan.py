@@ -3,7 +3,7 @@ validation, as a table and as configurations (tools/plan.py; `--plan auto` in me
 
 Role: setup (glue between the configuration and the pure planner, megahet/policy/layout_search.py).
 
-    cluster = read_cluster(cfg.plan.cluster, cfg.train.precision)
+    cluster = read_plan_cluster(cfg)
     plans = plan_layouts(cfg, cluster, vocab_size=spec.vocab_size(cfg))
     print(plan_table(plans))
     cfg = with_plan(cfg, plans[0])          # the fastest plan's settings on top of the run's
@@ -13,14 +13,51 @@ Only GPT models are planned (the cost model counts a causal language model's lay
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from megahet.config import ConfigError, MegahetConfig, apply_overrides
 from megahet.config_checks import ranks_per_node, validate
+from megahet.policy.calibration import Calibration, Profile, fit_calibration
 from megahet.policy.cluster import Cluster, read_cluster
 from megahet.policy.layout_cost import ModelShape
 from megahet.policy.layout_search import Plan, TrainSetting, pareto, search
 
+PROFILE_START_STEPS = 2
+"""A profile's first steps (start-up: allocation, first-touch) that the calibration leaves out."""
 
-def train_setting(cfg: MegahetConfig) -> TrainSetting:
+
+def read_calibration(cfg: MegahetConfig, cluster: Cluster, vocab_size: int) -> Calibration | None:
+    """The calibration plan.profile measures (None without one); one-line ConfigErrors for a missing or
+    unreadable file, a profile of another layout and a profile_node the cluster lacks."""
+    p = cfg.plan
+    if not p.profile:
+        return None
+    path = Path(p.profile).expanduser()
+    if not path.is_file():
+        raise ConfigError(
+            f"plan.profile {p.profile} not found: pass the --balance.trace file of a profiling run "
+            f"(docs/planning.md)"
+        )
+    if not 0 <= p.profile_node < len(cluster.nodes):
+        raise ConfigError(
+            f"plan.profile_node {p.profile_node} is not a node of plan.cluster (0..{len(cluster.nodes) - 1})"
+        )
+    try:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        profile = Profile.from_trace_rows(
+            rows, cfg.model.num_layers, cfg.train.global_batch_size, skip=PROFILE_START_STEPS
+        )
+    except (ValueError, KeyError, TypeError, IndexError) as err:
+        raise ConfigError(f"plan.profile {p.profile}: not a profiling run's trace ({err})") from None
+    node = cluster.nodes[p.profile_node]
+    return fit_calibration(
+        profile, ModelShape.of(cfg.model, vocab_size, 1), reference_tflops=node.tflops,
+        precision=cfg.train.precision, link_gbps=node.intra_gbps,
+    )  # fmt: skip
+
+
+def train_setting(cfg: MegahetConfig, calibration: Calibration | None = None) -> TrainSetting:
     p = cfg.plan
     try:
         micro_batches = tuple(int(x) for x in p.micro_batches.split(","))
@@ -34,7 +71,7 @@ def train_setting(cfg: MegahetConfig) -> TrainSetting:
         raise ConfigError("plan.memory_reserve must be in [0, 1) and plan.efficiency in (0, 1]")
     return TrainSetting(
         global_batch=cfg.train.global_batch_size, micro_batches=micro_batches, precision=cfg.train.precision,
-        memory_reserve=p.memory_reserve, efficiency=p.efficiency,
+        memory_reserve=p.memory_reserve, efficiency=p.efficiency, calibration=calibration,
     )  # fmt: skip
 
 
@@ -65,12 +102,30 @@ def _flat(cfg: MegahetConfig) -> dict[str, object]:
     }
 
 
-def plan_layouts(cfg: MegahetConfig, cluster: Cluster, vocab_size: int, launched: bool = False) -> list[Plan]:
+def read_plan_cluster(cfg: MegahetConfig, missing: str = "plan: pass the cluster description") -> Cluster:
+    """The cluster plan.cluster describes; a one-line ConfigError (starting with `missing` when no file
+    is given) for a missing or bad file."""
+    if not cfg.plan.cluster:
+        raise ConfigError(f"{missing}: pass --cluster cluster.yaml (docs/planning.md)")
+    try:
+        return read_cluster(cfg.plan.cluster, cfg.train.precision)
+    except ValueError as err:
+        raise ConfigError(f"plan.cluster: {err}") from None
+
+
+def plan_layouts(
+    cfg: MegahetConfig,
+    cluster: Cluster,
+    vocab_size: int,
+    launched: bool = False,
+    calibration: Calibration | None = None,
+) -> list[Plan]:
     """Every plan for `cluster` that fits and that megahet's validation accepts, fastest first.
-    `launched`: the job already runs on the cluster in its file's order, so only that order is tried."""
+    `launched`: the job already runs on the cluster in its file's order, so only that order is tried;
+    `calibration`: in place of plan.profile's."""
     if vocab_size is None:
         raise ConfigError("plan.mode=auto plans GPT models (pretrain_gpt.py): leave it off for this task")
-    setting = train_setting(cfg)
+    setting = train_setting(cfg, calibration or read_calibration(cfg, cluster, vocab_size))
 
     def fits(plan: Plan) -> bool:
         try:
@@ -87,16 +142,17 @@ def plan_table(plans: list[Plan], top: int = 10) -> str:
     """The fastest `top` plans and the Pareto set (memory against time), one line each."""
     front = {id(p) for p in pareto(plans)}
     shown = plans[:top] + [p for p in plans[top:] if id(p) in front]
+    width = max([34, *(len(p.layout) for p in shown)])
     lines = [
         (
-            f"{'#':>3}  {'layout':<34} {'micro':>5} {'ZeRO':>4}  {'step s':>9} {'vs best':>7} "
+            f"{'#':>3}  {'layout':<{width}} {'micro':>5} {'ZeRO':>4}  {'step s':>9} {'vs best':>7} "
             f"{'peak GiB':>8} {'of GPU':>6}  pareto  launch order"
         )
     ]
     best = plans[0].step_s if plans else 0.0
     for plan in shown:
         lines.append(
-            f"{plans.index(plan) + 1:>3}  {plan.layout:<34} {plan.micro_batch:>5} {plan.zero_stage:>4}  "
+            f"{plans.index(plan) + 1:>3}  {plan.layout:<{width}} {plan.micro_batch:>5} {plan.zero_stage:>4}  "
             f"{plan.step_s:>9.4g} {plan.step_s / best:>6.2f}x {plan.peak_gib:>8.2f} "
             f"{plan.memory_fraction:>6.0%}  {'*' if id(plan) in front else ' ':^6}  "
             f"{','.join(map(str, plan.node_order))}"
@@ -122,12 +178,7 @@ def plan_for_launch(cfg: MegahetConfig, vocab_size: int | None, world_size: int)
     `cfg`, and the line rank 0 prints about it. One-line ConfigErrors for a missing or bad cluster file, a
     cluster that is not the job's, and a model that fits no layout."""
     p = cfg.plan
-    if not p.cluster:
-        raise ConfigError("plan.mode=auto needs plan.cluster: pass --cluster cluster.yaml (docs/planning.md)")
-    try:
-        cluster = read_cluster(p.cluster, cfg.train.precision)
-    except ValueError as err:
-        raise ConfigError(f"plan.cluster: {err}") from None
+    cluster = read_plan_cluster(cfg, "plan.mode=auto needs plan.cluster")
     per_node = ranks_per_node(world_size)
     if (cluster.world_size, cluster.gpus_per_node) != (world_size, per_node):
         raise ConfigError(

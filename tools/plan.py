@@ -5,7 +5,9 @@ the Pareto set of memory against time, and a ready configuration for each.
 
 The cluster file lists the nodes (GPU kind, count, memory, rate, links: docs/planning.md). The model and
 training settings are pretrain_gpt.py's (`--config`, `--model.*`, `--train.global_batch_size`,
-`--train.precision`, `--plan.micro_batches`, ...). Every plan is checked by megahet's own validation. With
+`--train.precision`, `--plan.micro_batches`, ...). `--plan.profile trace.jsonl` calibrates the cost model
+from a short profiling run of the model (its `--balance.trace`; docs/planning.md). Every plan is checked
+by megahet's own validation. With
 `--out DIR` each listed plan is written as DIR/plan_NN.yaml (the run's settings and the plan's) with the
 command that runs it, its nodes launched in the plan's order:
 
@@ -27,8 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # pretrain_gpt.py: the tokenizer's vocabulary
 
 from megahet.config import ConfigError, load_config
-from megahet.layout_plan import plan_layouts, plan_overrides_yaml, plan_table
-from megahet.policy.cluster import read_cluster
+from megahet.layout_plan import plan_layouts, plan_overrides_yaml, plan_table, read_plan_cluster
 from megahet.policy.layout_search import pareto
 
 
@@ -39,14 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     try:
         cfg = load_config(rest)
-        if not cfg.plan.cluster:
-            raise ConfigError(
-                "plan: pass the cluster description with --cluster cluster.yaml (docs/planning.md)"
-            )
-        try:
-            cluster = read_cluster(cfg.plan.cluster, cfg.train.precision)
-        except ValueError as err:
-            raise ConfigError(f"plan.cluster: {err}") from None
+        cluster = read_plan_cluster(cfg)
         import pretrain_gpt
 
         pretrain_gpt.preflight(cfg)

@@ -342,6 +342,12 @@ class PlanConfig(_Section):
     """Fraction of each GPU's memory the plan leaves free (CUDA context, allocator fragmentation)."""
     efficiency: float = 1.0
     """Fraction of each node's tflops the matmuls reach (1: the cluster file gives effective rates)."""
+    profile: str | None = None
+    """A profiling run's `--balance.trace` file (this model at TP 1, PP 1): calibrates the cost model with
+    the layers' measured rate (in place of plan.efficiency), the compute outside them and the per-step
+    time (docs/planning.md)."""
+    profile_node: int = 0
+    """The position in the cluster file of the node whose GPUs ran the profile."""
 
     @property
     def auto(self) -> bool:

@@ -144,14 +144,22 @@ def all_reduce_seconds(nbytes: float, ranks: int, gbps: float) -> float:
 
 
 def layer_seconds(
-    shape: ModelShape, *, micro_batch: int, tp: int, tflops: float, intra_gbps: float, precision: str
+    shape: ModelShape,
+    *,
+    micro_batch: int,
+    tp: int,
+    tflops: float,
+    intra_gbps: float,
+    precision: str,
+    latency_s: float = 0.0,
 ) -> float:
     """One layer's forward + backward on one micro-batch, on a TP group of `tp` ranks of `tflops` each:
-    its FLOPs (3x the forward) split over the group, and 4 all-reduces of the layer's activations."""
+    its FLOPs (3x the forward) split over the group, and 4 all-reduces of the layer's activations (each
+    `latency_s` plus its bytes over the link)."""
     tokens = shape.seq * micro_batch
     compute = 3 * shape.layer_flops(tokens) / (tp * tflops * 1e12)
     activation = ELEMENT_BYTES[precision] * tokens * shape.hidden
-    return compute + 4 * all_reduce_seconds(activation, tp, intra_gbps)
+    return compute + (4 * (latency_s + all_reduce_seconds(activation, tp, intra_gbps)) if tp > 1 else 0.0)
 
 
 def output_seconds(shape: ModelShape, *, micro_batch: int, tp: int, tflops: float) -> float:
@@ -160,10 +168,12 @@ def output_seconds(shape: ModelShape, *, micro_batch: int, tp: int, tflops: floa
     return 3 * output_layer_flops(shape.hidden, shape.vocab) * tokens / (tp * tflops * 1e12)
 
 
-def send_seconds(shape: ModelShape, *, micro_batch: int, gbps: float, precision: str) -> float:
+def send_seconds(
+    shape: ModelShape, *, micro_batch: int, gbps: float, precision: str, latency_s: float = 0.0
+) -> float:
     """Pipeline sends of one micro-batch across a stage boundary: the activation forward, its gradient
-    backward."""
-    return 2 * ELEMENT_BYTES[precision] * shape.seq * micro_batch * shape.hidden / (gbps * 1e9)
+    backward (each `latency_s` plus its bytes over the link)."""
+    return 2 * (latency_s + ELEMENT_BYTES[precision] * shape.seq * micro_batch * shape.hidden / (gbps * 1e9))
 
 
 def one_f_one_b_seconds(stage_s: list[float], microbatches: int) -> float:

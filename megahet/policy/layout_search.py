@@ -24,6 +24,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 
+from megahet.policy.calibration import Calibration
 from megahet.policy.cluster import Cluster
 from megahet.policy.dp_shares import DataParallelShares, dp_shares
 from megahet.policy.layout_cost import (
@@ -54,6 +55,14 @@ class TrainSetting:
     """Fraction of every GPU's memory kept free (CUDA context, allocator fragmentation)."""
     efficiency: float = 1.0
     """Fraction of a node's `tflops` the matmuls reach (1: the rates given are effective ones)."""
+    calibration: Calibration | None = None
+    """A profiling run's measurements (megahet/policy/calibration.py): the layers' efficiency (in place
+    of `efficiency`), the compute outside the layers, the per-step time and each message's latency."""
+
+    @property
+    def latency_s(self) -> float:
+        """Each collective's and each pipeline send's fixed time (from the calibration; else none)."""
+        return self.calibration.latency_s if self.calibration is not None else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,18 +152,21 @@ def evaluate(
     if microbatches < dp or (zero_stage >= 2 and pp > 1):
         return None
     cells = _cells(world, tp, dp)
-    rate = setting.efficiency
+    cal = setting.calibration
+    rate = cal.layer_efficiency if cal is not None else setting.efficiency
     layer = [[0.0] * pp for _ in range(dp)]
     extra = [[0.0] * pp for _ in range(dp)]
     for (d, s), ranks in cells.items():
         node = placed.nodes[placed.node_of(ranks[0])]
-        tflops = min(placed.nodes[placed.node_of(r)].tflops for r in ranks) * rate
+        nominal = min(placed.nodes[placed.node_of(r)].tflops for r in ranks)
         layer[d][s] = layer_seconds(
-            shape, micro_batch=micro_batch, tp=tp, tflops=tflops, intra_gbps=node.intra_gbps,
-            precision=setting.precision,
+            shape, micro_batch=micro_batch, tp=tp, tflops=nominal * rate, intra_gbps=node.intra_gbps,
+            precision=setting.precision, latency_s=setting.latency_s,
         )  # fmt: skip
-        if s == pp - 1:
-            extra[d][s] = output_seconds(shape, micro_batch=micro_batch, tp=tp, tflops=tflops)
+        if s == pp - 1 and cal is not None:
+            extra[d][s] = cal.extra_seconds(micro_batch, nominal, tp)
+        elif s == pp - 1:
+            extra[d][s] = output_seconds(shape, micro_batch=micro_batch, tp=tp, tflops=nominal * rate)
     layer_s = [max(layer[d][s] for d in range(dp)) for s in range(pp)]
     extra_s = [max(extra[d][s] for d in range(dp)) for s in range(pp)]
     split = best_split(layer_s, extra_s, shape.layers) if pp > 1 else StageSplit((shape.layers,))
@@ -189,7 +201,8 @@ def evaluate(
             speeds[r] = paces[d] / fastest
     return Plan(
         tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, zero_stage=zero_stage, node_order=node_order,
-        split=split, shares=shares, step_s=replica_s + sync_s, memory_fraction=fraction,
+        split=split, shares=shares, step_s=replica_s + sync_s + (cal.step_s if cal is not None else 0.0),
+        memory_fraction=fraction,
         peak_gib=peak / GIB, rank_speeds=tuple(speeds),
     )  # fmt: skip
 
@@ -213,7 +226,9 @@ def _link_gbps(cluster: Cluster, ranks: list[int]) -> float:
 
 def _send(cluster, shape, here, there, micro_batch, setting) -> float:
     gbps = _link_gbps(cluster, [here[0], there[0]])
-    return send_seconds(shape, micro_batch=micro_batch, gbps=gbps, precision=setting.precision)
+    return send_seconds(
+        shape, micro_batch=micro_batch, gbps=gbps, precision=setting.precision, latency_s=setting.latency_s
+    )
 
 
 def _gradient_sync(cluster, shape, cells, split, tp, pp, dp, stage, setting) -> float:
@@ -224,7 +239,7 @@ def _gradient_sync(cluster, shape, cells, split, tp, pp, dp, stage, setting) -> 
     params = shape.rank_params(tp, split[stage], stage == 0, stage == pp - 1, pp)
     grad_bytes = STATE_BYTES[setting.precision][1]
     ranks = [cells[d, stage][0] for d in range(dp)]
-    return all_reduce_seconds(params * grad_bytes, dp, _link_gbps(cluster, ranks))
+    return setting.latency_s + all_reduce_seconds(params * grad_bytes, dp, _link_gbps(cluster, ranks))
 
 
 def search(

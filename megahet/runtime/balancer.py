@@ -195,6 +195,7 @@ class BalanceController(MeasuringHook):
         row = {
             "step": step,
             "step_s": step_s,
+            "microbatches": list(self.ctx.shares),
             "efficiency": efficiency,
             "busy_s": busys,
             "compute_s": computes,

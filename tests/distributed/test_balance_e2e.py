@@ -127,6 +127,9 @@ def test_console_and_wandb_metrics_show_each_ranks_speed_plan_and_efficiency(rec
 def test_trace_records_every_step_and_is_drawn(records, run_dir):
     rows = [json.loads(line) for line in (run_dir / "trace.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(STEPS))
+    # DP 1: the replica's micro-batches every step (what the layout planner's calibration divides by)
+    assert all(len(r["microbatches"]) == 1 and r["microbatches"] == rows[0]["microbatches"] for r in rows)
+    assert rows[0]["microbatches"][0] >= 1
     for r in rows:  # the step time covers the slowest rank's compute
         assert r["step_s"] >= max(r["busy_s"][0]) > 0
     assert rows[SLOW_FROM]["busy_s"][0][1] > 3.5 * rows[SLOW_FROM]["busy_s"][0][0]

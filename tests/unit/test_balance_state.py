@@ -61,7 +61,7 @@ class _Gathered:
 def _controller(mode: str, trace=None) -> BalanceController:
     overrides = {"balance.mode": mode, "balance.window": 3, "balance.interval": 2, "balance.trace": trace}
     cfg = apply_overrides(MegahetConfig(), overrides)
-    ctx = types.SimpleNamespace(times=StepTimes(0.0, 0.0, 0.0), step_t0=time.perf_counter())
+    ctx = types.SimpleNamespace(times=StepTimes(0.0, 0.0, 0.0), step_t0=time.perf_counter(), shares=(4,))
     return BalanceController(cfg, LAYOUT, _FakeResize(), ctx)
 
 

@@ -1,0 +1,253 @@
+"""The layout planner's predictions against measured runs (issue 30): on clusters of virtual devices,
+does the planner predict each plan's step time, and is the plan it ranks first the fastest one?
+
+    python benchmarks/plan_accuracy.py                          # every cluster (~30 min on 2 quiet cores)
+    python benchmarks/plan_accuracy.py --clusters 4r-2c --top 2 --low 1 --steps 6
+
+A CPU cluster is made of ranks with emulated speeds (virtual devices, `--device.profile static:...`, one
+speed per global rank; megahet/runtime/devices.py): mixes of 2 and 4 speed classes, for 4 and 8 ranks.
+Its description (docs/planning.md) gives each node's rate as `device.rate_gflops` x its speed, and the
+links' bandwidth as measured on this machine (gloo over loopback).
+
+Per cluster:
+1. **Calibration** (`megahet.policy.calibration`): one short profiling run of the model on the cluster's
+   ranks, all at speed 1 (TP 1, PP 1: every rank a replica), with the layers timed as the pipeline
+   balancer times them. It measures the layers' effective rate, the other compute per micro-batch
+   (embedding, output layer, loss), the framework's time per micro-batch and per step.
+2. The planner (`megahet.layout_plan.plan_layouts`, with the calibration) ranks every plan that fits.
+3. Its `--top` plans and `--low` plans it ranked low (spread over the lower half) are run, each with
+   its nodes launched in its order (the device profile follows the plan's node order), and the median
+   step time after `--warmup` steps is measured.
+
+Report, per plan: predicted and measured step time and the error; per cluster: mean and worst error,
+and whether the top-ranked plan is the fastest measured one or within 5 % of it. Goals on CPU: mean
+error <= 10 %, the chosen plan within 5 % of the best measured one on every cluster.
+
+Writes benchmarks/results/plan_accuracy.{md,json,png}; logs and metrics of every run go to
+benchmarks/results/plan_accuracy_runs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import pretrain_gpt
+from benchmarks.common import RESULTS, save_results, torchrun
+from megahet.config import MegahetConfig, load_config
+from megahet.layout_plan import PROFILE_START_STEPS, plan_layouts, plan_overrides_yaml
+from megahet.policy.calibration import Calibration, Profile, fit_calibration
+from megahet.policy.cluster import Cluster, parse_cluster
+from megahet.policy.layout_cost import ModelShape
+from megahet.policy.layout_search import Plan
+
+RUNS = RESULTS / "plan_accuracy_runs"
+RATE_GFLOPS = 5.0
+"""A speed-1 virtual device's rate: well below what a rank computes on a shared core, so that the
+emulated layers' time is the charge, not the host's load."""
+LINK_GBPS = 1.0
+"""The description's bandwidth inside and between the virtual nodes (gloo over loopback); what each
+message costs beyond it is the calibration's latency."""
+MODEL = [
+    *("--model.num_layers", "8", "--model.hidden_size", "256", "--model.num_attention_heads", "4"),
+    *("--model.ffn_hidden_size", "1024", "--model.seq_length", "128", "--data.vocab_size", "1024"),
+    *("--train.global_batch_size", "16", "--train.precision", "fp32", "--plan.micro_batches", "1,2,4"),
+    *("--resize.enabled", "true"),  # the resizable layers count the FLOPs a virtual device charges
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class VirtualCluster:
+    name: str
+    gpus: int
+    """Ranks per node."""
+    speeds: tuple[float, ...]
+    """Each node's speed (its ranks' virtual devices), in the description's order."""
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus * len(self.speeds)
+
+    def description(self) -> dict:
+        """The cluster file's content (docs/planning.md): rates from the speeds, loopback links."""
+        return {
+            "nodes": [
+                {"name": f"n{i}x{s:g}", "gpus": self.gpus, "memory_gib": 16, "tflops": RATE_GFLOPS * s / 1e3,
+                 "intra_gbps": LINK_GBPS, "network_gbps": LINK_GBPS}
+                for i, s in enumerate(self.speeds)
+            ]
+        }  # fmt: skip
+
+    def cluster(self) -> Cluster:
+        return parse_cluster(self.description(), self.name, "fp32")
+
+    def device_profile(self, node_order: tuple[int, ...]) -> str:
+        """`--device.profile` with the nodes launched in `node_order`: global rank r runs on node
+        node_order[r // gpus]."""
+        return "static:" + ",".join(
+            f"{self.speeds[node_order[r // self.gpus]]:g}" for r in range(self.world_size)
+        )
+
+
+CLUSTERS = (
+    VirtualCluster("4r-2c", gpus=2, speeds=(1.0, 0.4)),
+    VirtualCluster("4r-4c", gpus=1, speeds=(1.0, 0.7, 0.5, 0.3)),
+    VirtualCluster("8r-2c", gpus=4, speeds=(1.0, 0.5)),
+    VirtualCluster("8r-4c", gpus=2, speeds=(1.0, 0.75, 0.5, 0.25)),
+)
+
+
+def chosen(plans: list[Plan], top: int, low: int) -> list[int]:
+    """Positions (0 = fastest) of the plans to run: the first `top`, and `low` spread over the lower half
+    of the ranking, its last included."""
+    picks = list(range(min(top, len(plans))))
+    half = len(plans) // 2
+    for k in range(low):
+        at = half + (len(plans) - 1 - half) * k // max(low - 1, 1) if low > 1 else len(plans) - 1
+        if at not in picks and at < len(plans):
+            picks.append(at)
+    return picks
+
+
+def _launch(name: str, nproc: int, args: list[str], steps: int) -> list[dict]:
+    """One pretrain_gpt.py launch; its metrics rows after the start-up steps."""
+    metrics = RUNS / f"{name}.metrics.jsonl"
+    metrics.unlink(missing_ok=True)
+    run_args = [
+        *args, "--device.rate_gflops", str(RATE_GFLOPS), "--train.train_iters", str(steps),
+        "--train.log_interval", "1", "--train.eval_interval", str(10 * steps), "--train.eval_iters", "1",
+        "--logging.wandb", "false", "--logging.metrics_file", str(metrics), "--logging.log_dir", str(RUNS / "logs"),
+    ]  # fmt: skip
+    wall = torchrun("pretrain_gpt.py", nproc, run_args, RUNS / f"{name}.log")
+    print(f"  {name}: {wall:.0f} s", flush=True)
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [r for r in rows if "step_time_s" in r and r["step"] > PROFILE_START_STEPS]
+
+
+def calibrate(vc: VirtualCluster, cfg: MegahetConfig, vocab: int, steps: int) -> Calibration:
+    """The profiling run: every rank at speed 1, TP 2 where nodes have 2 GPUs (else 1), PP 1."""
+    tp = min(2, vc.gpus)
+    trace = RUNS / f"{vc.name}_profile.trace.jsonl"
+    trace.unlink(missing_ok=True)
+    args = [
+        *MODEL, "--parallel.tp", str(tp), "--train.micro_batch_size", "1",
+        "--device.profile", "static:" + ",".join(["1"] * vc.world_size), "--balance.trace", str(trace),
+    ]  # fmt: skip
+    _launch(f"{vc.name}_profile", vc.world_size, args, steps)
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    profile = Profile.from_trace_rows(
+        rows, cfg.model.num_layers, cfg.train.global_batch_size, PROFILE_START_STEPS
+    )
+    # Virtual devices slow only the layers: the rest runs at the host's speed on every node.
+    return fit_calibration(
+        profile, ModelShape.of(cfg.model, vocab, 1), reference_tflops=RATE_GFLOPS / 1e3, precision="fp32",
+        link_gbps=LINK_GBPS, extra_follows_rate=False,
+    )  # fmt: skip
+
+
+def bench_cluster(vc: VirtualCluster, top: int, low: int, steps: int) -> tuple[list[dict], dict]:
+    cfg = load_config(MODEL)
+    vocab = pretrain_gpt.vocab_size(cfg)
+    cal = calibrate(vc, cfg, vocab, steps)
+    plans = plan_layouts(cfg, vc.cluster(), vocab, calibration=cal)
+    print(f"{vc.name}: {len(plans)} plans; {cal}", flush=True)
+    rows = []
+    for at in chosen(plans, top, low):
+        plan = plans[at]
+        config = RUNS / f"{vc.name}_plan{at + 1:02d}.yaml"
+        config.write_text(yaml.safe_dump(plan_overrides_yaml(cfg, plan), sort_keys=False))
+        args = ["--config", str(config), "--device.profile", vc.device_profile(plan.node_order)]
+        measured = statistics.median(
+            r["step_time_s"] for r in _launch(config.stem, vc.world_size, args, steps)
+        )
+        rows.append({
+            "cluster": vc.name, "rank": at + 1, "plan": plan.layout, "micro_batch": plan.micro_batch,
+            "zero": plan.zero_stage, "node_order": ",".join(map(str, plan.node_order)),
+            "predicted_s": plan.step_s, "measured_s": measured, "error": measured / plan.step_s - 1,
+        })  # fmt: skip
+        print(f"  #{at + 1} {plan.layout} mb {plan.micro_batch}: predicted {plan.step_s:.3f} s, measured "
+              f"{measured:.3f} s ({rows[-1]['error']:+.1%})", flush=True)  # fmt: skip
+    return rows, summarize(vc.name, rows, cal, len(plans))
+
+
+def summarize(name: str, rows: list[dict], cal: Calibration, plans: int) -> dict:
+    """Per cluster: mean and worst absolute error, and the chosen plan against the best measured."""
+    errors = [abs(r["error"]) for r in rows]
+    best = min(r["measured_s"] for r in rows)
+    top = next(r for r in rows if r["rank"] == 1)
+    return {
+        "cluster": name, "plans": plans, "run": len(rows), "mean_error": statistics.mean(errors),
+        "worst_error": max(errors), "chosen_vs_best": top["measured_s"] / best,
+        "chosen_is_fastest": top["measured_s"] == best, "calibration": dataclasses.asdict(cal),
+    }  # fmt: skip
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 5.5))
+    for name in dict.fromkeys(r["cluster"] for r in rows):
+        mine = [r for r in rows if r["cluster"] == name]
+        ax.scatter([r["predicted_s"] for r in mine], [r["measured_s"] for r in mine], label=name)
+    top = max(max(r["predicted_s"], r["measured_s"]) for r in rows) * 1.05
+    ax.plot([0, top], [0, top], color="black", linestyle=":", label="measured = predicted")
+    ax.fill_between([0, top], [0, 0.9 * top], [0, 1.1 * top], color="grey", alpha=0.15, label="±10 %")
+    ax.set(xlabel="predicted step time (s)", ylabel="measured step time (s)", xlim=(0, top), ylim=(0, top),
+           title="Layout planner: predicted against measured")  # fmt: skip
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+COLUMNS = ["cluster", "rank", "plan", "micro_batch", "node_order", "predicted_s", "measured_s", "error"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clusters", default=",".join(c.name for c in CLUSTERS))
+    parser.add_argument("--top", type=int, default=3, help="the planner's fastest plans to run")
+    parser.add_argument("--low", type=int, default=2, help="plans ranked in the lower half to run")
+    parser.add_argument("--steps", type=int, default=6, help="steps per run (the first 2 are start-up)")
+    args = parser.parse_args(argv)
+    known = {c.name: c for c in CLUSTERS}
+    names = args.clusters.split(",")
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"--clusters: unknown {unknown}: choose from {sorted(known)}")
+    if args.steps <= PROFILE_START_STEPS:
+        raise SystemExit(f"--steps must be more than the {PROFILE_START_STEPS} start-up steps")
+    RUNS.mkdir(parents=True, exist_ok=True)
+    rows, summaries = [], []
+    for name in names:
+        cluster_rows, summary = bench_cluster(known[name], args.top, args.low, args.steps)
+        rows += cluster_rows
+        summaries.append(summary)
+    meta = {"rate_gflops": RATE_GFLOPS, "model": MODEL, "steps": args.steps, "clusters": summaries}
+    meta["mean_error"] = statistics.mean(abs(r["error"]) for r in rows)
+    meta["worst_error"] = max(abs(r["error"]) for r in rows)
+    save_results("plan_accuracy", rows, COLUMNS, meta)
+    plot(rows, RESULTS / "plan_accuracy.png")
+    for s in summaries:
+        print(f"{s['cluster']}: mean error {s['mean_error']:.1%}, worst {s['worst_error']:.1%}; chosen plan "
+              f"{s['chosen_vs_best']:.3f}x the best measured")  # fmt: skip
+    ok_mean = meta["mean_error"] <= 0.10
+    ok_choice = all(s["chosen_vs_best"] <= 1.05 for s in summaries)
+    print(f"goal mean error <= 10 %: {meta['mean_error']:.1%} ({'met' if ok_mean else 'MISSED'}); chosen "
+          f"within 5 % of the best on every cluster: {'met' if ok_choice else 'MISSED'}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

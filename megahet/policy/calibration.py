@@ -1,0 +1,138 @@
+"""The layout planner's calibration: what one short profiling run measured, so that the cost model
+(megahet/policy/layout_cost.py) predicts from this machine's own times, not from datasheets alone.
+
+Role: policy (pure; megahet/layout_plan.py reads the profiling run's trace into a `Profile`).
+
+The profiling run is the model on a node of the cluster's reference devices at PP 1 and TP 2 (TP 1 on
+one-GPU nodes), the other ranks replicas, with the layers timed as the balancers time them
+(`--balance.trace`, static):
+
+    python pretrain_gpt.py --config model.yaml --parallel.tp 2 --parallel.pp 1 --train.train_iters 8 \\
+        --balance.trace profile.jsonl
+    python tools/plan.py --cluster cluster.yaml --config model.yaml --plan.profile profile.jsonl
+
+    profile = Profile.from_trace_rows(rows, layers=8, global_batch=64, skip=2)
+    cal = fit_calibration(profile, shape, reference_tflops=312, precision="bf16", link_gbps=300)
+    cal.layer_efficiency      # the layers' measured FLOP rate over the reference node's tflops
+    cal.extra_seconds(micro_batch=4, tflops=150)
+
+From its trace (per rank and step: own compute inside the transformer layers, all own compute, the
+time blocked in collectives, the step's wall time) it takes medians over the steps after start-up:
+- `layer_efficiency`: the FLOPs the cost model counts for the layers over their measured time, per the
+  reference device's `tflops` (it replaces `plan.efficiency`);
+- `extra_s_per_sample`: the other compute per sample of a micro-batch (embedding, output layer, loss,
+  and the framework's own work between the layers), on the reference device;
+- `latency_s`: each TP all-reduce's time beyond its bytes over the link (the profile runs 4 per layer
+  and micro-batch; none at TP 1), which the cost model also charges each pipeline send and DP reduction;
+- `step_s`: per step, what is left of the step's wall time after the micro-batches' compute and the
+  modeled DP gradient reduction (the optimizer step, data, logging).
+A slower device runs the extra compute slower in proportion to its rate (`extra_follows_rate`; virtual
+devices slow only the layers, so benchmarks/plan_accuracy.py turns it off).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+from megahet.policy.layout_cost import ELEMENT_BYTES, STATE_BYTES, ModelShape, all_reduce_seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """A profiling run's measurements (PP 1), after its start-up steps."""
+
+    layers: int
+    micro_batch: int
+    microbatches: int
+    """Micro-batches per replica per step."""
+    dp: int
+    tp: int
+    layers_s: tuple[float, ...]
+    """Per rank and step: own compute inside the transformer layers."""
+    compute_s: tuple[float, ...]
+    """Per rank and step: all own compute (the layers, embedding, output layer, loss)."""
+    wait_s: tuple[float, ...]
+    """Per rank and step: time blocked in collectives inside the compute (the TP all-reduces)."""
+    step_s: tuple[float, ...]
+    """Per step: its wall time."""
+
+    @classmethod
+    def from_trace_rows(cls, rows: list[dict], layers: int, global_batch: int, skip: int) -> Profile:
+        """From `--balance.trace` rows of a PP 1 run (each with `busy_s`, `compute_s`, `wait_s` [dp][tp],
+        `step_s` and `microbatches`), the first `skip` steps left out (start-up)."""
+        kept = [r for r in rows if r["step"] > skip]
+        if not kept:
+            raise ValueError(f"it has no step after the first {skip}: profile more steps")
+        first = kept[0]
+        if "microbatches" not in first:
+            raise ValueError("it has no micro-batch counts: profile with this version of megahet")
+        shares = first["microbatches"]
+        if len(set(shares)) != 1:
+            raise ValueError(f"its replicas ran uneven micro-batch shares {shares}: profile with even ones")
+        return cls(
+            layers=layers, micro_batch=global_batch // sum(shares), microbatches=shares[0], dp=len(shares),
+            tp=len(first["busy_s"][0]), layers_s=_each(kept, "busy_s"), compute_s=_each(kept, "compute_s"),
+            wait_s=_each(kept, "wait_s"), step_s=tuple(r["step_s"] for r in kept),
+        )  # fmt: skip
+
+
+def _each(rows: list[dict], key: str) -> tuple[float, ...]:
+    """Every rank's value of `key` ([dp][tp] per row) over the rows."""
+    return tuple(v for r in rows for replica in r[key] for v in replica)
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    reference_tflops: float
+    """The profiled devices' rate as the cluster description gives it."""
+    layer_efficiency: float
+    """The layers' measured FLOP rate over `reference_tflops`."""
+    extra_s_per_sample: float
+    """Compute outside the layers per sample of a micro-batch, on one reference device (TP 1)."""
+    step_s: float
+    """Per step outside the micro-batches and the DP gradient reduction."""
+    latency_s: float = 0.0
+    """Each collective's and pipeline send's time beyond its bytes over the link."""
+    extra_follows_rate: bool = True
+    """A device of another rate runs the extra compute in proportion (False: at the reference's time)."""
+
+    def extra_seconds(self, micro_batch: int, tflops: float, tp: int = 1) -> float:
+        """The compute outside the layers for one micro-batch on a TP group of `tp` devices of `tflops`
+        (the output layer, its largest part, is split over TP)."""
+        scale = self.reference_tflops / tflops if self.extra_follows_rate else 1.0
+        return self.extra_s_per_sample * micro_batch * scale / tp
+
+
+def fit_calibration(
+    profile: Profile,
+    shape: ModelShape,
+    *,
+    reference_tflops: float,
+    precision: str,
+    link_gbps: float,
+    extra_follows_rate: bool = True,
+) -> Calibration:
+    """The calibration a profile measures, for a model of `shape` on devices the cluster gives
+    `reference_tflops` and links of `link_gbps` inside the profiled node."""
+    p, tp = profile, profile.tp
+    passes = p.layers * p.microbatches  # layer forward + backward passes per rank and step
+    per_layer = statistics.median(p.layers_s) / passes
+    if per_layer <= 0:
+        raise ValueError("it measured no time in the layers: profile with --balance.trace")
+    flops = 3 * shape.layer_flops(shape.seq * p.micro_batch) / tp
+    compute = statistics.median(p.compute_s)
+    extra = max(compute - statistics.median(p.layers_s), 0.0) / p.microbatches
+    latency = 0.0
+    if tp > 1:
+        activation = ELEMENT_BYTES[precision] * shape.seq * p.micro_batch * shape.hidden
+        per_all_reduce = statistics.median(p.wait_s) / (4 * passes)
+        latency = max(per_all_reduce - all_reduce_seconds(activation, tp, link_gbps), 0.0)
+    params = shape.rank_params(tp, shape.layers, first=True, last=True)
+    sync = latency + all_reduce_seconds(params * STATE_BYTES[precision][1], p.dp, link_gbps)
+    step = max(statistics.median(p.step_s) - compute - statistics.median(p.wait_s) - sync, 0.0)
+    return Calibration(
+        reference_tflops=reference_tflops, layer_efficiency=flops / (per_layer * reference_tflops * 1e12),
+        extra_s_per_sample=extra * tp / p.micro_batch, step_s=step, latency_s=latency,
+        extra_follows_rate=extra_follows_rate,
+    )  # fmt: skip

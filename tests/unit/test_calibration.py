@@ -1,0 +1,146 @@
+"""The layout planner's calibration (issue 30): a profiling run's trace -> the cost model's measured
+constants -> every plan's prediction.
+
+- `fit_calibration` recovers the efficiency, the compute outside the layers, the latency and the
+  per-step time that made a synthetic profile (TP 2 and TP 1).
+- A calibrated DP plan's prediction is the profile's own arithmetic: micro-batches x (layers + extra)
+  plus the step and the reduction; the latency is charged to every TP all-reduce and pipeline send.
+- Bad profiles are one-line errors; benchmarks/plan_accuracy.py's device profile follows the plan's
+  node order.
+
+Run: ``python -m pytest tests/unit/test_calibration.py -q`` (a second).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from one_line import one_line
+
+from benchmarks.plan_accuracy import VirtualCluster, chosen
+from megahet.config import ConfigError, MegahetConfig, apply_overrides
+from megahet.layout_plan import read_calibration
+from megahet.policy.calibration import Calibration, Profile, fit_calibration
+from megahet.policy.cluster import parse_cluster
+from megahet.policy.layout_cost import ELEMENT_BYTES, STATE_BYTES, ModelShape, all_reduce_seconds
+from megahet.policy.layout_search import TrainSetting, evaluate
+
+SHAPE = ModelShape(layers=4, hidden=64, heads=4, query_groups=4, ffn=256, seq=32, vocab=1024)
+TFLOPS, GBPS = 0.01, 2.0
+TRUE = {"efficiency": 0.8, "extra_per_sample": 0.004, "latency": 0.0015, "step": 0.12}
+
+
+def _trace(tp: int, dp: int, micro_batch: int, microbatches: int, steps: int = 6) -> list[dict]:
+    """Trace rows a run with the TRUE constants would write (every rank alike)."""
+    passes = SHAPE.layers * microbatches
+    layer = 3 * SHAPE.layer_flops(SHAPE.seq * micro_batch) / tp / (TRUE["efficiency"] * TFLOPS * 1e12)
+    layers_s = passes * layer
+    compute = layers_s + microbatches * TRUE["extra_per_sample"] * micro_batch / tp
+    activation = ELEMENT_BYTES["fp32"] * SHAPE.seq * micro_batch * SHAPE.hidden
+    wait = 4 * passes * (TRUE["latency"] + all_reduce_seconds(activation, tp, GBPS)) if tp > 1 else 0.0
+    params = SHAPE.rank_params(tp, SHAPE.layers, first=True, last=True)
+    sync = (TRUE["latency"] if tp > 1 else 0.0) + all_reduce_seconds(
+        params * STATE_BYTES["fp32"][1], dp, GBPS
+    )
+    step = compute + wait + sync + TRUE["step"]
+    cell = lambda v: [[v] * tp for _ in range(dp)]
+    return [
+        {"step": s, "step_s": step * (3 if s == 1 else 1), "microbatches": [microbatches] * dp,
+         "busy_s": cell(layers_s), "compute_s": cell(compute), "wait_s": cell(wait)}
+        for s in range(1, steps + 1)
+    ]  # fmt: skip
+
+
+def _fit(tp: int, dp: int = 2, micro_batch: int = 2, microbatches: int = 4) -> Calibration:
+    rows = _trace(tp, dp, micro_batch, microbatches)
+    profile = Profile.from_trace_rows(rows, SHAPE.layers, micro_batch * microbatches * dp, skip=2)
+    assert (profile.tp, profile.dp, profile.micro_batch, profile.microbatches) == (
+        tp,
+        dp,
+        micro_batch,
+        microbatches,
+    )
+    return fit_calibration(profile, SHAPE, reference_tflops=TFLOPS, precision="fp32", link_gbps=GBPS)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_fit_recovers_what_made_the_profile(tp: int) -> None:
+    cal = _fit(tp)
+    assert cal.layer_efficiency == pytest.approx(TRUE["efficiency"])
+    assert cal.extra_s_per_sample == pytest.approx(TRUE["extra_per_sample"])
+    assert cal.step_s == pytest.approx(TRUE["step"])
+    assert cal.latency_s == pytest.approx(TRUE["latency"] if tp > 1 else 0.0)
+    assert cal.extra_seconds(micro_batch=2, tflops=TFLOPS / 2) == pytest.approx(
+        2 * 2 * TRUE["extra_per_sample"]
+    )
+    frozen = Calibration(**{**cal.__dict__, "extra_follows_rate": False})
+    assert frozen.extra_seconds(micro_batch=2, tflops=TFLOPS / 2, tp=2) == pytest.approx(
+        TRUE["extra_per_sample"]
+    )
+
+
+def test_a_calibrated_plan_predicts_the_profiles_own_arithmetic() -> None:
+    cal = _fit(tp=2)
+    cluster = parse_cluster(
+        {"nodes": [{"name": "a", "gpus": 2, "memory_gib": 8, "tflops": TFLOPS, "intra_gbps": GBPS, "network_gbps": GBPS}] * 2},
+        "test", "fp32",
+    )  # fmt: skip
+    setting = TrainSetting(global_batch=16, micro_batches=(2,), precision="fp32", calibration=cal)
+    plan = evaluate(cluster, SHAPE, setting, tp=1, pp=1, micro_batch=2, zero_stage=1, node_order=(0, 1))
+    layer = 3 * SHAPE.layer_flops(SHAPE.seq * 2) / (TRUE["efficiency"] * TFLOPS * 1e12)
+    per_micro = SHAPE.layers * layer + 2 * TRUE["extra_per_sample"]
+    params = SHAPE.rank_params(1, SHAPE.layers, first=True, last=True)
+    sync = TRUE["latency"] + all_reduce_seconds(params * STATE_BYTES["fp32"][1], 4, GBPS)
+    assert plan.step_s == pytest.approx(2 * per_micro + sync + TRUE["step"])
+    tp2 = evaluate(cluster, SHAPE, setting, tp=2, pp=1, micro_batch=2, zero_stage=1, node_order=(0, 1))
+    uncharged = TrainSetting(global_batch=16, micro_batches=(2,), precision="fp32",
+                             calibration=Calibration(**{**cal.__dict__, "latency_s": 0.0}))  # fmt: skip
+    free = evaluate(cluster, SHAPE, uncharged, tp=2, pp=1, micro_batch=2, zero_stage=1, node_order=(0, 1))
+    # 4 micro-batches per replica x 4 layers x 4 all-reduces, and one DP reduction
+    assert tp2.step_s - free.step_s == pytest.approx((4 * 4 * 4 + 1) * TRUE["latency"])
+
+
+def _cfg(tmp_path, profile: str | None, node: int = 0) -> tuple[MegahetConfig, object]:
+    cfg = apply_overrides(
+        MegahetConfig(), {"model.num_layers": 4, "plan.profile": profile, "plan.profile_node": node}
+    )
+    cluster = parse_cluster({"nodes": [{"kind": "A100-80GB", "gpus": 2}]}, "test", "fp32")
+    return cfg, cluster
+
+
+def test_a_profile_file_calibrates_the_plan_and_bad_ones_are_one_line_errors(tmp_path) -> None:
+    cfg, cluster = _cfg(tmp_path, None)
+    assert read_calibration(cfg, cluster, 1024) is None
+    good = tmp_path / "profile.jsonl"
+    good.write_text("\n".join(json.dumps(r) for r in _trace(2, 1, 4, 2)))
+    cfg, cluster = _cfg(tmp_path, str(good))
+    cfg.train.global_batch_size = 8
+    cal = read_calibration(cfg, cluster, 1024)
+    assert cal is not None and cal.reference_tflops == cluster.nodes[0].tflops and cal.latency_s > 0
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"step": 5, "busy_s": [[1.0]]}\n')
+    short = tmp_path / "short.jsonl"
+    short.write_text("\n".join(json.dumps(r) for r in _trace(2, 1, 4, 2, steps=2)))
+    uneven = tmp_path / "uneven.jsonl"
+    uneven.write_text("\n".join(json.dumps({**r, "microbatches": [3, 1]}) for r in _trace(2, 2, 2, 2)))
+    for path, node, needles in [
+        (tmp_path / "missing.jsonl", 0, ("plan.profile", "not found", "--balance.trace")),
+        (good, 3, ("plan.profile_node 3", "0..0")),
+        (bad, 0, ("plan.profile", "micro-batch counts")),
+        (short, 0, ("plan.profile", "profile more steps")),
+        (uneven, 0, ("plan.profile", "uneven")),
+    ]:
+        cfg, cluster = _cfg(tmp_path, str(path), node)
+        with pytest.raises(ConfigError) as err:
+            read_calibration(cfg, cluster, 1024)
+        one_line(err, *needles)
+
+
+def test_the_benchmark_runs_each_plan_on_its_node_order() -> None:
+    vc = VirtualCluster("t", gpus=2, speeds=(1.0, 0.5, 0.25))
+    assert vc.device_profile((0, 1, 2)) == "static:1,1,0.5,0.5,0.25,0.25"
+    assert vc.device_profile((2, 0, 1)) == "static:0.25,0.25,1,1,0.5,0.5"
+    assert [n.tflops for n in vc.cluster().nodes] == pytest.approx([0.005, 0.0025, 0.00125])
+    assert chosen(list(range(10)), top=3, low=2) == [0, 1, 2, 5, 9]
+    assert chosen(list(range(3)), top=3, low=2) == [0, 1, 2]

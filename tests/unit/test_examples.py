@@ -1,5 +1,6 @@
 """The shipped example configs and launch scripts stay valid: each YAML loads and validates for the
-world size its launch script starts, and each script names an existing config."""
+world size its launch script starts, and each script names an existing config; the layout planner's
+worked example (a cluster file and a 7 B model) ranks its plans as docs/planning.md shows."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from megahet.config import load_config
 from megahet.config_checks import validate
+from megahet.layout_plan import plan_layouts, plan_table, read_plan_cluster, with_plan
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -32,8 +34,24 @@ def test_example_config_validates(name: str, world: int):
     assert dp == world // (cfg.parallel.tp * cfg.parallel.pp)
 
 
+PLANNER = ("gpu/llama_7b.yaml", "gpu/cluster_a100_v100.yaml")
+"""The layout planner's worked example: a model to plan and the cluster to plan it for."""
+
+
 def test_every_example_config_is_covered():
-    assert {str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*.yaml")} == set(WORLDS)
+    assert {str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*.yaml")} == {*WORLDS, *PLANNER}
+
+
+def test_the_planners_worked_example_ranks_as_the_docs_show():
+    model, cluster = (str(EXAMPLES / name) for name in PLANNER)
+    cfg = load_config(["--config", model, "--plan.cluster", cluster])
+    plans = plan_layouts(cfg, read_plan_cluster(cfg), vocab_size=cfg.data.vocab_size)
+    best = plans[0]
+    assert (len(plans), best.layout, best.shares) == (59, "TP 4 x PP 1 x DP 16", (18,) * 8 + (14,) * 8)
+    assert validate(with_plan(cfg, best), 64) == 16
+    docs = (EXAMPLES.parent / "docs" / "planning.md").read_text()
+    for line in plan_table(plans, top=5).splitlines():  # the table `tools/plan.py --top 5` prints
+        assert line in docs, line
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in EXAMPLES.rglob("*.sh")))

@@ -269,8 +269,8 @@ def _already_balanced_for_the_outside_load(run: ContendedRun) -> None:
 
 
 def test_contended_replica_gets_a_smaller_share_of_the_batch(dp_run):
-    """Calm replicas measured up to ~12 % apart here (two pinned ranks on a 2-core machine): healthy
-    (hetero.healthy_gap 0.15), and beyond it the hysteresis moves no sample for a gap below ~17 %.
+    """Calm replicas measured up to ~30 % apart here (two pinned ranks on a 2-core machine, each with
+    0.95 of its core): at most one of the 16 micro-batches moves while calm.
     Outside load on the pinned cores during the calm phase (a busy shared machine) makes them uneven by
     chance: then the calm phase is not held to that (if it left one replica slower throughout, that one
     never gets more than its half), and the reaction is given twice the steps (said in the log)."""
@@ -280,8 +280,10 @@ def test_contended_replica_gets_a_smaller_share_of_the_batch(dp_run):
     if run.skewed:
         assert all(r[slow] <= r[fast] for r in calm), calm
     else:
-        even = all(r[slow] == r[fast] == 8 for r in calm)
-        alike = all(min(r["speed_dp0"], r["speed_dp1"]) > 0.8 for r in calm)
+        # at most one micro-batch off even: CI measured one replica at 0.71-0.79 with both ranks getting
+        # 0.95 of their cores (whole replicas differ by more than their cores: the logging rank's work)
+        even = all(abs(r[slow] - r[fast]) <= 2 and r[slow] + r[fast] == 16 for r in calm)
+        alike = all(min(r["speed_dp0"], r["speed_dp1"]) > 0.7 for r in calm)
         assert calm and ((even and alike) or run.disturbed), calm
     moved = run.first_step(run.contended_from, lambda r: r[slow] < 8)
     assert moved <= run.contended_from + (12 if run.disturbed else 6), (moved, run.contended_from)

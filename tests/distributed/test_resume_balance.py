@@ -2,8 +2,9 @@
 
 A TP=2 x DP=2 GPT (4 ranks) whose TP rank 1 is a virtual device at a quarter speed (slow enough, at a
 nominal 1 GFLOP/s, that its emulated time dominates the CPU's jitter), so that the balancer resizes
-(resize; semi with tolerance 0.7: its gap 0.6 is "mild"), migrates (migrate) or only measures
-(static + trace). Two launches of workers/ckpt_train.py, four runs each (about 2.5 min on 2 cores):
+(resize; semi with tolerance 0.8: its gap 0.6 is "mild", clear of the tolerance by more than the
+measured speeds vary: with 0.7, CI saw a run migrate), migrates (migrate) or only measures (static +
+trace). Two launches of workers/ckpt_train.py, four runs each (about 2.5 min on 2 cores):
 1. uninterrupted: `full_<mode>`, STEPS steps, saving every 4;
 2. resumed and killed: `ck_<mode>` starts from a copy of full_<mode>'s step-4 checkpoint (its
    balancer state: speed samples, targets, change count, efficiency window; the executed plan; RNG)
@@ -42,7 +43,7 @@ COMMON = [
     "--device.profile", "static:1,0.25",
     "--device.rate_gflops", "1",
     "--balance.hysteresis", "0.4",
-    "--balance.tolerance", "0.7",
+    "--balance.tolerance", "0.8",
 ]  # fmt: skip
 PLAN_KEYS = ("gamma_tp0", "gamma_tp1", "moved_tp0", "moved_tp1")
 

@@ -343,7 +343,7 @@ class PlanConfig(_Section):
     efficiency: float = 1.0
     """Fraction of each node's tflops the matmuls reach (1: the cluster file gives effective rates)."""
     profile: str | None = None
-    """A profiling run's `--balance.trace` file (this model at TP 1, PP 1): calibrates the cost model with
+    """A profiling run's `--balance.trace` file (this model on one node, PP 1, TP 2): calibrates the cost model with
     the layers' measured rate (in place of plan.efficiency), the compute outside them and the per-step
     time (docs/planning.md)."""
     profile_node: int = 0

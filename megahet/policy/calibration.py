@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from megahet.policy.layout_cost import ELEMENT_BYTES, STATE_BYTES, ModelShape, all_reduce_seconds
+from megahet.policy.layout_cost import ELEMENT_BYTES, ModelShape, all_reduce_seconds, gradient_sync_seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +129,7 @@ def fit_calibration(
         per_all_reduce = statistics.median(p.wait_s) / (4 * passes)
         latency = max(per_all_reduce - all_reduce_seconds(activation, tp, link_gbps), 0.0)
     params = shape.rank_params(tp, shape.layers, first=True, last=True)
-    sync = latency + all_reduce_seconds(params * STATE_BYTES[precision][1], p.dp, link_gbps)
+    sync = gradient_sync_seconds(params, p.dp, link_gbps, precision, latency)
     step = max(statistics.median(p.step_s) - compute - statistics.median(p.wait_s) - sync, 0.0)
     return Calibration(
         reference_tflops=reference_tflops, layer_efficiency=flops / (per_layer * reference_tflops * 1e12),

@@ -168,6 +168,14 @@ def output_seconds(shape: ModelShape, *, micro_batch: int, tp: int, tflops: floa
     return 3 * output_layer_flops(shape.hidden, shape.vocab) * tokens / (tp * tflops * 1e12)
 
 
+def gradient_sync_seconds(params: int, dp: int, gbps: float, precision: str, latency_s: float = 0.0) -> float:
+    """A stage's DP gradient reduction of `params` per rank (ZeRO-1/2: reduce-scatter of the gradients,
+    all-gather of the updated weights: an all-reduce's volume) over `dp` replicas on links of `gbps`."""
+    if dp == 1:
+        return 0.0
+    return latency_s + all_reduce_seconds(params * STATE_BYTES[precision][1], dp, gbps)
+
+
 def send_seconds(
     shape: ModelShape, *, micro_batch: int, gbps: float, precision: str, latency_s: float = 0.0
 ) -> float:

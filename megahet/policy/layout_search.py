@@ -28,9 +28,8 @@ from megahet.policy.calibration import Calibration
 from megahet.policy.cluster import Cluster
 from megahet.policy.dp_shares import DataParallelShares, dp_shares
 from megahet.policy.layout_cost import (
-    STATE_BYTES,
     ModelShape,
-    all_reduce_seconds,
+    gradient_sync_seconds,
     layer_seconds,
     one_f_one_b_seconds,
     output_seconds,
@@ -234,12 +233,9 @@ def _send(cluster, shape, here, there, micro_batch, setting) -> float:
 def _gradient_sync(cluster, shape, cells, split, tp, pp, dp, stage, setting) -> float:
     """Stage `stage`'s DP gradient reduction (ZeRO-1/2: reduce-scatter of the gradients, all-gather of the
     updated weights: an all-reduce's volume), over its replicas' slowest link."""
-    if dp == 1:
-        return 0.0
     params = shape.rank_params(tp, split[stage], stage == 0, stage == pp - 1, pp)
-    grad_bytes = STATE_BYTES[setting.precision][1]
     ranks = [cells[d, stage][0] for d in range(dp)]
-    return setting.latency_s + all_reduce_seconds(params * grad_bytes, dp, _link_gbps(cluster, ranks))
+    return gradient_sync_seconds(params, dp, _link_gbps(cluster, ranks), setting.precision, setting.latency_s)
 
 
 def search(

@@ -43,6 +43,7 @@ def _trace(tp: int, dp: int, micro_batch: int, microbatches: int, steps: int = 6
     sync = (TRUE["latency"] if tp > 1 else 0.0) + all_reduce_seconds(
         params * STATE_BYTES["fp32"][1], dp, GBPS
     )
+    sync = sync if dp > 1 else 0.0  # one replica reduces nothing
     step = compute + wait + sync + TRUE["step"]
     cell = lambda v: [[v] * tp for _ in range(dp)]
     return [
@@ -118,6 +119,7 @@ def test_a_profile_file_calibrates_the_plan_and_bad_ones_are_one_line_errors(tmp
     cfg.train.global_batch_size = 8
     cal = read_calibration(cfg, cluster, 1024)
     assert cal is not None and cal.reference_tflops == cluster.nodes[0].tflops and cal.latency_s > 0
+    assert cal.step_s == pytest.approx(TRUE["step"])  # one replica: no reduction taken off
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"step": 5, "busy_s": [[1.0]]}\n')
     short = tmp_path / "short.jsonl"

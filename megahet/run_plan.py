@@ -28,7 +28,7 @@ from typing import Any
 
 from megahet.checkpointing import finder
 from megahet.checkpointing.elastic import fit_layout, layout_note, needs_reshard, with_layout
-from megahet.config import MegahetConfig
+from megahet.config import ConfigError, MegahetConfig
 from megahet.config_checks import ranks_per_node, validate
 from megahet.engine import fold_deepspeed_json
 from megahet.layout_plan import plan_for_launch
@@ -36,7 +36,29 @@ from megahet.parallel import mesh_coords
 from megahet.policy.declared_speeds import parse_declared_speeds
 from megahet.policy.dp_shares import DataParallelShares, RankCoords, dp_shares, even_shares, replica_speeds
 from megahet.policy.stage_split import StageSplit
+from megahet.runtime.balancer import recorded_targets
 from megahet.runtime.stage_plan import starting_split
+
+
+def check_replay(cfg: MegahetConfig) -> None:
+    """balance.replay: a recorded TP trace per pipeline stage, with the plans this mode can execute."""
+    b = cfg.balance
+    if b.mode == "static":
+        raise ConfigError(
+            f"balance.replay {b.replay} replays a balancer's plans: set balance.mode to the recorded run's mode"
+        )
+    for stage in range(cfg.parallel.pp):
+        try:
+            targets = recorded_targets(b.replay, stage if cfg.parallel.pp > 1 else None)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"balance.replay: {err}") from None
+        lossless = all(not any(t.gamma.values()) for step in targets.values() for t in step)
+        still = all(not t.moves for step in targets.values() for t in step)
+        if not ((lossless or b.resizes) and (still or b.migrates)):
+            raise ConfigError(
+                f"balance.replay {b.replay} holds plans that balance.mode={b.mode} cannot execute "
+                f"({'resizing' if not lossless else 'migration'}): set balance.mode to the recorded run's mode"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +145,8 @@ def plan_run(cfg: MegahetConfig, spec, world_size: int | None = None) -> RunPlan
     tp, pp = fit_layout(cfg, world) if full else (cfg.parallel.tp, cfg.parallel.pp)
     cfg = with_layout(cfg, tp, pp)
     dp = validate(cfg, world)
+    if cfg.balance.replay:
+        check_replay(cfg)
     speeds = declared_by_coords(cfg, world)
     split = starting_split(cfg, speeds, spec.vocab_size(cfg), resume)
     reshard = full and needs_reshard(resume, cfg, world, split)

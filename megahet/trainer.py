@@ -89,8 +89,8 @@ class Trainer:
         self.clock = CommClock()
         self.timers = ComputeTimers(self.clock)
         self.times = StepTimes(0.0, 0.0, 0.0)
-        """The last step's own compute, collective waits and own compute inside the transformer layers
-        (megahet/runtime/timing.py)."""
+        """The last step's own compute, collective waits, own compute inside the transformer layers, own
+        time in the optimizer step and reading data (megahet/runtime/timing.py)."""
         model_config = task.model.config
         model_config.timers = self.timers
         model_config.finalize_model_grads_func = lambda *args, **kwargs: finalize_grads(task.model)
@@ -194,7 +194,8 @@ class Trainer:
             self._begin_packed_step()
         self.hooks_s += time.perf_counter() - t0
         self.engine.zero_grad()
-        return self._run_schedule(self.task.train_data, self.num_microbatches, forward_only=False)
+        data = _TimedData(self.task.train_data, self.clock)
+        return self._run_schedule(data, self.num_microbatches, forward_only=False)
 
     def train_step(self, sync: bool = True) -> dict[str, float]:
         """One optimizer step; returns {loss, lr, grad_norm, step_time_s, compute_s, wait_s, hooks_s}
@@ -209,7 +210,8 @@ class Trainer:
             for hook in self.step_hooks:
                 hook.before_step(self.engine)
             t2 = time.perf_counter()
-            self.engine.step()
+            with self.clock.phase("optimizer"):  # its own time: the fixed work no plan moves
+                self.engine.step()
         t3 = time.perf_counter()
         self.times = self.clock.read()  # on a GPU: CUDA events, read once per step
         for hook in self.step_hooks:
@@ -227,6 +229,7 @@ class Trainer:
             "step_time_s": time.perf_counter() - t0,
             "compute_s": self.times.compute_s,
             "wait_s": self.times.wait_s,
+            "optimizer_s": self.times.optimizer_s,
             "hooks_s": self.hooks_s,
         }
         if self.step_plan is not None:
@@ -309,7 +312,9 @@ class Trainer:
             metrics["tokens_per_s"] = samples_per_s * self.task.tokens_per_sample
         else:
             metrics["samples_per_s"] = samples_per_s
-        mine = {key: sum(r[f"{key}_s"] for r in window) / len(window) for key in ("compute", "wait")}
+        mine = {
+            key: sum(r[f"{key}_s"] for r in window) / len(window) for key in ("compute", "wait", "optimizer")
+        }
         hooks = {k: v for hook in self.step_hooks for k, v in hook.metrics().items()}
         spread = min_max_over_ranks({**mine, **hooks})  # one all-reduce for all of them
         metrics.update(grad_norm=last["grad_norm"], step_time_s=step_time)
@@ -322,6 +327,21 @@ class Trainer:
         for hook in self.step_hooks:
             metrics.update(hook.report())  # this rank's view, e.g. its TP group's plan, not reduced
         return metrics
+
+
+class _TimedData:
+    """The training data as the schedule reads it: every micro-batch read is timed as the clock's `data`
+    phase (a part of the fixed work, megahet/runtime/timing.py)."""
+
+    def __init__(self, data: Iterator[dict], clock: CommClock):
+        self.data, self.clock = data, clock
+
+    def __iter__(self) -> _TimedData:
+        return self
+
+    def __next__(self) -> dict:
+        with self.clock.phase("data"):
+            return next(self.data)
 
 
 def min_max_over_ranks(values: dict[str, float]) -> dict[str, tuple[float, float]]:

@@ -259,10 +259,20 @@ class BalanceConfig(_Section):
     """The group is healthy (even split) when every rank is within this of the fastest."""
     hysteresis: float = 0.05
     """Keep the current plan unless some rank's work would change by more than this (of its units)."""
+    whole_step: bool = False
+    """Plan on each rank's whole step: the work it can move plus its measured fixed work (optimizer step,
+    embedding, output layer, loss, data), which a slow device is slow at too. Off by default: fixed work
+    in a synchronous phase of its own (the optimizer step) cannot be offset by moving work, and a plan
+    that tries drops or moves units for nothing; under time-sliced contention it captured more of the
+    possible gain (docs/balancer.md has both measurements). The TP, DP and pipeline balancers follow it."""
     trace: str | None = None
     """Write every step's per-rank busy time, estimated speed and plan to this JSONL file (one per
     pipeline stage: _stageP is added when PP > 1) and draw it as a PNG beside it at the end of the
     run (tools/plot_balance.py redraws it). Also measures (never plans) when mode=static."""
+    replay: str | None = None
+    """A --balance.trace file of an earlier run: execute its TP plans step by step instead of planning
+    from measurements (the same command and seed then give the recorded run's losses bit for bit, so a
+    loss spike of a lossy run can be reproduced and debugged). balance.mode must be the recorded run's."""
 
     @property
     def active(self) -> bool:

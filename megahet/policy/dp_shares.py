@@ -10,6 +10,11 @@ micro-batches (water-filling, as `resize_planner.balanced_counts` deals work uni
 contiguous micro-batches [n_0 + ... + n_(r-1), ... + n_r) of each global batch: the global batch and
 the order of its samples stay those of the even run, and every sample is used once.
 
+The whole step. A replica also does work that does not move with its micro-batches: its optimizer step
+on the parameters its ranks own. `fixed` gives it per replica, in units of one micro-batch's time at
+speed 1 (the fastest replica's speed), so replica r's step takes n_r / s_r + f_r, and the split
+minimizes the slowest replica's whole step (without `fixed`, its micro-batches alone).
+
 Exact gradients: megatron-core's schedule divides each micro-batch's loss by the replica's own count
 n_r, and data parallelism averages over D replicas; scaling replica r's loss by D n_r / M
 (`replica_loss_scale`) makes every sample weigh 1 / (M x micro-batch size), as in the even split.
@@ -23,6 +28,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+
+from megahet.policy.planner import check_fixed
 
 RankCoords = tuple[int, int, int]  # (dp rank, pp rank, tp rank)
 
@@ -95,13 +102,15 @@ def dp_shares(
     current: Sequence[int] | None = None,
     hysteresis: float = 0.0,
     healthy_gap: float = 0.05,
+    fixed: Sequence[float] | None = None,
 ) -> DataParallelShares:
-    """Micro-batches per replica for replicas of these speeds.
+    """Micro-batches per replica for replicas of these speeds (and `fixed` work per replica, see above).
 
-    Even when every replica is within `healthy_gap` of the fastest (and M splits evenly), whatever the
-    current shares. Otherwise the whole-micro-batch split that minimizes the slowest replica's time, ties
-    to the lower replica; the `current` shares are kept unless the new split cuts the slowest replica's
-    time by more than the fraction `hysteresis` (noise and ties move no samples).
+    Even when every replica's whole step at the even split is within `healthy_gap` of the quickest's
+    (and M splits evenly), whatever the current shares. Otherwise the whole-micro-batch split that
+    minimizes the slowest replica's time, ties to the lower replica; the `current` shares are kept
+    unless the new split cuts the slowest replica's time by more than the fraction `hysteresis` (noise
+    and ties move no samples).
     """
     d = len(speeds)
     if d == 0 or num_microbatches < d:
@@ -110,19 +119,25 @@ def dp_shares(
         raise ValueError(f"replica speeds must be positive and finite, got {list(speeds)}")
     if current is not None and (len(current) != d or sum(current) != num_microbatches):
         raise ValueError(f"current shares {list(current)} are not {d} counts summing to {num_microbatches}")
-    fastest = max(speeds)
-    if all(s >= (1 - healthy_gap) * fastest for s in speeds) and num_microbatches % d == 0:
-        return even_shares(num_microbatches, d)
-    new = _water_fill(speeds, num_microbatches)
-    if current is not None and step_time(new, speeds) >= (1 - hysteresis) * step_time(current, speeds):
+    fixed = check_fixed(fixed, d, "replica")
+    if num_microbatches % d == 0:
+        even = [num_microbatches / d / s + f for s, f in zip(speeds, fixed)]
+        if all(min(even) >= (1 - healthy_gap) * t for t in even):
+            return even_shares(num_microbatches, d)
+    new = _water_fill(speeds, num_microbatches, fixed)
+    if current is not None and step_time(new, speeds, fixed) >= (1 - hysteresis) * step_time(
+        current, speeds, fixed
+    ):
         return DataParallelShares(current)
     return DataParallelShares(new)
 
 
-def _water_fill(speeds: Sequence[float], total: int) -> tuple[int, ...]:
+def _water_fill(speeds: Sequence[float], total: int, fixed: Sequence[float]) -> tuple[int, ...]:
+    """Every next micro-batch to the replica whose whole step grows to the smallest time (optimal for the
+    slowest replica's time: each replica's time only grows with its count)."""
     counts = [1] * len(speeds)
     for _ in range(total - len(speeds)):
-        r = min(range(len(speeds)), key=lambda i: ((counts[i] + 1) / speeds[i], i))
+        r = min(range(len(speeds)), key=lambda i: ((counts[i] + 1) / speeds[i] + fixed[i], i))
         counts[r] += 1
     return tuple(counts)
 
@@ -144,6 +159,8 @@ def replica_loss_scale(share: int, num_microbatches: int, dp_size: int) -> float
     return dp_size * share / num_microbatches
 
 
-def step_time(shares: Sequence[int], speeds: Sequence[float]) -> float:
-    """The slowest replica's compute in micro-batches at speed 1 (what the split minimizes)."""
-    return max(n / s for n, s in zip(shares, speeds))
+def step_time(shares: Sequence[int], speeds: Sequence[float], fixed: Sequence[float] | None = None) -> float:
+    """The slowest replica's whole step in micro-batches at speed 1 (what the split minimizes): its
+    micro-batches at its speed plus its fixed work."""
+    fixed = check_fixed(fixed, len(speeds), "replica")
+    return max(n / s + f for n, s, f in zip(shares, speeds, fixed))

@@ -24,6 +24,10 @@ fraction of its own units a helper computes, minus the guests it computes; < 0 f
 proportion to the measured speeds, over the slowest rank's compute time (1 = perfectly balanced).
 `balance.trace` writes all of it per step and per rank to JSONL, drawn as a PNG at the end.
 
+`balance.replay TRACE` executes a recorded trace's targets (each row carries the targets its step ran)
+step by step instead of planning: unit selection is seeded by the step, so the same command and seed
+repeat a lossy run's plans, and its losses, exactly. It still measures, and writes its own trace.
+
 Checkpoints carry the balancer's state (`state_dict`): the speed samples of every estimator, the
 targets, the change count, the efficiency window and whether a plan is due, so a resumed run plans
 exactly as the uninterrupted one would from the same measurements; its trace continues the saved
@@ -41,19 +45,43 @@ from megatron.core import parallel_state as ps
 
 from megahet.config import MegahetConfig
 from megahet.parallel import ParallelLayout
-from megahet.policy.detector import SpeedEstimator
-from megahet.policy.planner import WorkTarget, balance
+from megahet.policy.detector import MedianWindow, SpeedEstimator
+from megahet.policy.planner import WorkTarget, balance, ideal_shares, step_times
 from megahet.runtime.hooks import MeasuringHook, StepContext
 from megahet.runtime.trace_writer import TraceWriter, trace_path
 
 
-def compute_efficiency(work: list[float], busy: list[float]) -> float:
-    """Ideal compute time of the executed work (split in proportion to each rank's measured speed
-    work_i / busy_i) over the slowest rank's compute time."""
+def compute_efficiency(work: list[float], busy: list[float], fixed: list[float] | None = None) -> float:
+    """The ideal step of the executed work over the slowest rank's step: the ideal splits the movable work
+    by each rank's measured speed work_i / busy_i so that the whole steps (movable plus `fixed` seconds)
+    end together; without `fixed`, the movable compute alone (in proportion to the speeds)."""
     if min(busy) <= 0 or min(work) <= 0:
         return float("nan")
-    ideal = sum(work) / sum(w / t for w, t in zip(work, busy))
-    return ideal / max(busy)
+    fixed = fixed or [0.0] * len(work)
+    unit = sum(work) / len(work)  # ideal_shares' U
+    speeds = [w / t / unit for w, t in zip(work, busy)]  # U per second
+    ideal = max(step_times(ideal_shares(speeds, fixed), speeds, fixed))
+    return ideal / max(t + f for t, f in zip(busy, fixed))
+
+
+def recorded_targets(path: str, stage: int | None) -> dict[int, list[WorkTarget]]:
+    """The TP targets each step of a --balance.trace run executed, [dp] per step, from its trace (the
+    stage's own file when `stage` is given); ValueError naming the problem when it has none."""
+    from megahet.runtime.trace_plot import read_trace  # the one trace reader
+
+    file = trace_path(path, None if stage is None else f"stage{stage}")
+    rows = read_trace(file)
+    if any("targets" not in row for row in rows):
+        raise ValueError(
+            f"{file} records no plans (written before balance.replay existed): record the run again"
+        )
+
+    def target(saved: dict) -> WorkTarget:  # JSON keys are strings
+        gamma = {int(r): g for r, g in saved["gamma"].items()}
+        moves = {int(o): {int(h): f for h, f in helpers.items()} for o, helpers in saved["moves"].items()}
+        return WorkTarget(gamma=gamma, moves=moves)
+
+    return {row["step"]: [target(t) for t in row["targets"]] for row in rows}
 
 
 class BalanceController(MeasuringHook):
@@ -77,6 +105,9 @@ class BalanceController(MeasuringHook):
         `compute_s` and `wait_s`. `ctx.step_t0`: when the current step began, so plan changes and
         transfers count."""
         self.estimators = [SpeedEstimator(layout.tp_size, cfg.balance.window) for _ in range(layout.dp_size)]
+        self.fixed = [MedianWindow(layout.tp_size, cfg.balance.window) for _ in range(layout.dp_size)]
+        """Per TP group, each rank's fixed work (`StepTimes.fixed_s`) in units of the time the group's
+        fastest rank takes for U units, smoothed as the speeds are (`balance.whole_step`)."""
         self.targets = [WorkTarget() for _ in range(layout.dp_size)]
         self.changes = 0
         self._flops0 = 0.0
@@ -85,10 +116,13 @@ class BalanceController(MeasuringHook):
         self.step = -1
         self.trace = None
         """This stage's trace (its first TP rank of DP replica 0 writes it), if one is asked for."""
+        stage = layout.pp_rank if layout.pp_size > 1 else None
         if cfg.balance.trace and layout.tp_rank == 0 and layout.dp_rank == 0:
             self.trace = TraceWriter(
-                trace_path(cfg.balance.trace, f"stage{layout.pp_rank}" if layout.pp_size > 1 else None)
+                trace_path(cfg.balance.trace, None if stage is None else f"stage{stage}")
             )
+        self.replayed = recorded_targets(cfg.balance.replay, stage) if cfg.balance.replay else None
+        """balance.replay: the recorded run's targets by step (executed instead of planned ones)."""
 
     def before_forward_backward(self, step: int) -> None:
         """Fold the last step's gathered measurements in, plan if due, then start measuring this step.
@@ -96,7 +130,10 @@ class BalanceController(MeasuringHook):
         Runs before the ResizeController's hook (setup() puts the balancer first), so a new plan is
         executed from this step on: the same step as planning right after the gather would give."""
         self._collect()
-        if self._due:
+        if self.replayed is not None:
+            self._due = False
+            self._replay(step)
+        elif self._due:
             self._due = False
             self._plan()
         self.step = step
@@ -108,7 +145,7 @@ class BalanceController(MeasuringHook):
         work = 3.0 * (self.resize.executor.executed_flops() - self._flops0)  # forward + 2x backward
         t = self.ctx.times
         mine = torch.tensor(
-            [self.layout.dp_rank, self.layout.tp_rank, work, t.layers_s, t.compute_s, t.wait_s],
+            [self.layout.dp_rank, self.layout.tp_rank, work, t.layers_s, t.compute_s, t.wait_s, t.fixed_s],
             dtype=torch.float64,
         )
         self._gather(mine, ps.get_tensor_and_data_parallel_group())
@@ -121,26 +158,60 @@ class BalanceController(MeasuringHook):
         rows, step, step_s = gathered
         table = {(int(r[0]), int(r[1])): r[2:].tolist() for r in rows}
         tp, dp = range(self.layout.tp_size), range(self.layout.dp_size)
-        # [field][dp][tp]: work, layers' own compute, all own compute, collective waits
-        works, busys, computes, waits = ([[table[(d, t)][i] for t in tp] for d in dp] for i in range(4))
-        for estimator, work, busy in zip(self.estimators, works, busys):
-            estimator.update(work, busy)
-        efficiency = [compute_efficiency(w, b) for w, b in zip(works, busys)]
+        # [field][dp][tp]: work, layers' own compute, all own compute, collective waits, fixed work
+        works, busys, computes, waits, fixeds = (
+            [[table[(d, t)][i] for t in tp] for d in dp] for i in range(5)
+        )
+        for d, (work, busy, fixed) in enumerate(zip(works, busys, fixeds)):
+            self.estimators[d].update(work, busy)
+            self.fixed[d].update(self._fixed_in_units(d, busy, fixed))
+        whole = self.cfg.whole_step
+        efficiency = [compute_efficiency(w, b, f if whole else None) for w, b, f in zip(works, busys, fixeds)]
         self._efficiency.append(efficiency[self.layout.dp_rank])
         if self.trace is not None:
-            self._write_trace(step, step_s, works, busys, efficiency, computes, waits)
+            self._write_trace(step, step_s, works, busys, efficiency, computes, waits, fixeds)
         self._due = (step + 1) % self.cfg.interval == 0 and all(e.ready for e in self.estimators)
 
-    def _targets(self, speeds: list[list[float]]) -> list[WorkTarget]:
-        """The pure planner on [dp][tp] relative speeds, from the current targets (the same on every rank)."""
+    def _fixed_in_units(self, dp: int, busy: list[float], fixed_s: list[float]) -> list[float]:
+        """Each rank's fixed seconds in units of the time the group's fastest rank took for U units in the
+        same step (its work in units of U, from the targets that ran, over its layers' time)."""
+        units = self.targets[dp].work(self.layout.tp_size)
+        per_second = [u / b for u, b in zip(units, busy) if u > 0 and b > 0]
+        if not per_second:
+            return [-1.0] * len(busy)  # nothing measured: no sample
+        fastest = max(per_second)
+        return [f * fastest for f in fixed_s]
+
+    def _targets(self, speeds: list[list[float]], fixed: list[list[float]] | None = None) -> list[WorkTarget]:
+        """The pure planner on [dp][tp] relative speeds (and fixed work), from the current targets (the
+        same on every rank)."""
         b = self.cfg
         knobs = {"tolerance": b.tolerance, "healthy_gap": b.healthy_gap, "hysteresis_threshold": b.hysteresis}
-        return [balance(group, b.mode, current, **knobs) for group, current in zip(speeds, self.targets)]
+        fixed = fixed or [None] * len(speeds)
+        return [
+            balance(group, b.mode, current, fixed=f, **knobs)
+            for group, current, f in zip(speeds, self.targets, fixed)
+        ]
+
+    def fixed_work(self) -> list[list[float]] | None:
+        """[dp][tp] fixed work in units of U at the group's fastest speed (None: `balance.whole_step`
+        off, or no sample yet)."""
+        if not self.cfg.whole_step or not all(f.ready for f in self.fixed):
+            return None
+        return [f.medians() for f in self.fixed]
 
     def _plan(self) -> None:
-        """Plan on the estimated speeds; hand changed targets to the ResizeController."""
-        new = self._targets([e.speeds() for e in self.estimators])
+        """Plan on the estimated speeds and fixed work; hand changed targets to the ResizeController."""
+        new = self._targets([e.speeds() for e in self.estimators], self.fixed_work())
         if new != self.targets:
+            self.targets = new
+            self.changes += 1
+            self.resize.set_targets(new)
+
+    def _replay(self, step: int) -> None:
+        """The recorded run's targets of this step, if it recorded the step and they changed."""
+        new = self.replayed.get(step)
+        if new is not None and new != self.targets:
             self.targets = new
             self.changes += 1
             self.resize.set_targets(new)
@@ -157,6 +228,7 @@ class BalanceController(MeasuringHook):
         return {
             "step": self.step,
             "samples": [[list(s) for s in e.samples] for e in self.estimators],
+            "fixed_samples": [[list(s) for s in f.samples] for f in self.fixed],
             "targets": [dataclasses.asdict(t) for t in self.targets],
             "changes": self.changes,
             "efficiency": list(self._efficiency),
@@ -165,8 +237,11 @@ class BalanceController(MeasuringHook):
 
     def load_state_dict(self, state: dict) -> None:
         """Restore it; the ResizeController restores the executed plan itself."""
-        for estimator, saved in zip(self.estimators, state["samples"], strict=True):
-            for samples, values in zip(estimator.samples, saved, strict=True):
+        fixed = state.get("fixed_samples") or [
+            [[] for _ in f.samples] for f in self.fixed
+        ]  # older checkpoints
+        for window, saved in [*zip(self.estimators, state["samples"], strict=True), *zip(self.fixed, fixed)]:
+            for samples, values in zip(window.samples, saved, strict=True):
                 samples.clear()
                 samples.extend(values)
         self.targets = [WorkTarget(**t) for t in state["targets"]]
@@ -188,7 +263,7 @@ class BalanceController(MeasuringHook):
     def _fractions(self, dp: int) -> dict[str, list[float]]:
         return self.resize.executor.plan.unit_fractions(self.resize.units, dp, self.layout.tp_size)
 
-    def _write_trace(self, step, step_s, works, busys, efficiency, computes, waits) -> None:
+    def _write_trace(self, step, step_s, works, busys, efficiency, computes, waits, fixeds) -> None:
         """One JSON line per step: the executed plan and the measurements, indexed [dp][tp]."""
         dps = range(self.layout.dp_size)
         fractions = [self._fractions(dp) for dp in dps]
@@ -200,8 +275,10 @@ class BalanceController(MeasuringHook):
             "busy_s": busys,
             "compute_s": computes,
             "wait_s": waits,
+            "fixed_s": fixeds,
             "work_gflop": [[w / 1e9 for w in ws] for ws in works],
             "speed": [self._speeds(dp) for dp in dps],
+            "targets": [dataclasses.asdict(t) for t in self.targets],
             **{k: [f[k] for f in fractions] for k in ("dropped", "sent", "hosted")},
         }
         self.trace.write(row)

@@ -11,7 +11,10 @@ over the whole world by an asynchronous all-gather that completes while the step
 speed sample is micro-batches per second of that time (the embedding, output layer and loss move with
 the samples, so they count; with packed documents: predicted cost at speed 1 per second, and the speeds
 go to the per-step document planner instead of shares); the estimate is the median of the last
-`hetero.window` samples. A replica
+`hetero.window` samples. With `balance.whole_step` each rank also sends its own time in
+the optimizer step (megahet/runtime/timing.py), which does not move with the micro-batches: a replica's
+fixed work is its slowest rank's (median over the window), and the shares minimize the slowest whole
+step, micro-batches plus fixed work (`dp_shares(..., fixed=)`). A replica
 runs at its slowest pipeline stage, a stage at its slowest TP rank (a TP balancer inside the replica
 raises that measured rate; the shares follow). At the start of a step every rank runs the same `dp_shares` on the same
 numbers, so every rank's shares are the same, with hysteresis, and back to even when the replicas are
@@ -35,7 +38,7 @@ import torch
 
 from megahet.config import MegahetConfig
 from megahet.parallel import ParallelLayout
-from megahet.policy.detector import SpeedEstimator
+from megahet.policy.detector import MedianWindow, SpeedEstimator
 from megahet.policy.dp_shares import RankCoords, dp_shares, replica_speeds
 from megahet.runtime.hooks import MeasuringHook, StepContext
 from megahet.runtime.trace_writer import TraceWriter, trace_path
@@ -61,6 +64,9 @@ class DataParallelBalancer(MeasuringHook):
         self.num_microbatches = sum(self.shares)
         self.measured = cfg.hetero.dp_shares == "measured"
         self.estimator = SpeedEstimator(layout.world_size, cfg.hetero.window)
+        self.fixed = MedianWindow(layout.world_size, cfg.hetero.window)
+        """Every rank's own seconds in the optimizer step (the work its micro-batches do not move)."""
+        self.whole_step = cfg.balance.whole_step
         self.packed = packed
         """Packed documents: a replica's work is its predicted cost (`ctx.replica_work`), and the speeds
         go to the per-step planner (`ctx.set_replica_speeds`) instead of whole-micro-batch shares."""
@@ -85,7 +91,7 @@ class DataParallelBalancer(MeasuringHook):
     def after_step(self, engine) -> None:
         t = self.ctx.times
         region_s = t.compute_s + t.wait_s  # the replica's time per micro-batch, TP collectives included
-        mine = torch.tensor([self.ctx.replica_work(), region_s], dtype=torch.float64)
+        mine = torch.tensor([self.ctx.replica_work(), region_s, t.optimizer_s], dtype=torch.float64)
         self._gather(mine)
 
     def set_shares(self, shares: tuple[int, ...]) -> None:
@@ -98,8 +104,9 @@ class DataParallelBalancer(MeasuringHook):
         if gathered is None:
             return
         rows, step, step_s = gathered
-        micro, region = ([float(r[i]) for r in rows] for i in range(2))
+        micro, region, optimizer = ([float(r[i]) for r in rows] for i in range(3))
         self.estimator.update(micro, region)
+        self.fixed.update(optimizer)
         if self.trace is not None:
             self.trace.write(
                 {
@@ -108,6 +115,7 @@ class DataParallelBalancer(MeasuringHook):
                     "shares": list(self.shares),
                     "replica_speed": self.replica_speeds(),
                     "region_s": region,
+                    "optimizer_s": optimizer,
                 }
             )
         self._due = self.measured and (step + 1) % self.cfg.interval == 0 and self.estimator.ready
@@ -117,9 +125,23 @@ class DataParallelBalancer(MeasuringHook):
         first samples)."""
         if not self.estimator.ready:
             return None
-        speeds = replica_speeds(dict(zip(self.coords, self.estimator.speeds())), tp_balanced=False)
+        speeds = self._raw_replica_speeds()
         fastest = max(speeds)
         return [s / fastest for s in speeds]
+
+    def _raw_replica_speeds(self) -> list[float]:
+        return replica_speeds(dict(zip(self.coords, self.estimator.raw_speeds())), tp_balanced=False)
+
+    def replica_fixed(self) -> list[float] | None:
+        """Each replica's fixed work (its slowest rank's optimizer step) in micro-batches at the fastest
+        replica's speed (None: `balance.whole_step` off, or no sample yet)."""
+        if not (self.whole_step and self.fixed.ready and self.estimator.ready):
+            return None
+        slowest: dict[int, float] = {}
+        for (dp, _pp, _tp), seconds in zip(self.coords, self.fixed.medians()):
+            slowest[dp] = max(slowest.get(dp, 0.0), seconds)
+        fastest = max(self._raw_replica_speeds())
+        return [slowest[dp] * fastest for dp in range(len(slowest))]
 
     def _plan(self) -> None:
         if self.packed:
@@ -137,6 +159,7 @@ class DataParallelBalancer(MeasuringHook):
             current=self.shares,
             hysteresis=self.cfg.hysteresis,
             healthy_gap=self.cfg.healthy_gap,
+            fixed=self.replica_fixed(),
         )
         if new != self.shares:
             self.shares = new
@@ -161,6 +184,7 @@ class DataParallelBalancer(MeasuringHook):
             "step": self.step,
             "shares": list(self.shares),
             "samples": [list(s) for s in self.estimator.samples],
+            "fixed_samples": [list(s) for s in self.fixed.samples],
             "changes": self.changes,
             "due": self._due,
             "speeds_applied": list(self.speeds_applied) if self.speeds_applied is not None else None,
@@ -168,7 +192,11 @@ class DataParallelBalancer(MeasuringHook):
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the shares (the Trainer executes them from the next step) and the speed samples."""
-        for samples, values in zip(self.estimator.samples, state["samples"], strict=True):
+        fixed = state.get("fixed_samples") or [[] for _ in self.fixed.samples]  # older checkpoints
+        for samples, values in [
+            *zip(self.estimator.samples, state["samples"], strict=True),
+            *zip(self.fixed.samples, fixed),
+        ]:
             samples.clear()
             samples.extend(values)
         self.shares = tuple(state["shares"])

@@ -10,7 +10,8 @@ waits for slower TP peers excluded, pipeline sends and receives outside) and its
 whole forward/backward (`compute_s`) — gathered over the world by an asynchronous all-gather that
 completes while the step finishes. A rank's samples are its seconds per layer and micro-batch,
 layers_s / (its stage's layers x micro-batches), and its other compute per micro-batch (embedding,
-output layer, loss), (compute_s - layers_s) / micro-batches; each estimate is the median of the last
+output layer, loss), (compute_s - layers_s) / micro-batches, plus, with `balance.whole_step`,
+its own time in the optimizer step spread over the step's micro-batches; each estimate is the median of the last
 `hetero.window` samples. A stage is as slow as its slowest rank (`measured_stage_times`).
 
 With `hetero.pp_split=measured`, every `hetero.interval` steps every rank runs the same `next_split` on
@@ -59,6 +60,7 @@ class PipelineBalancer(MeasuringHook):
         """The layers per stage the model runs (this balancer's measurements are in its units)."""
         self.coords = list(coords)
         self.measured = cfg.hetero.pp_split == "measured"
+        self.whole_step = cfg.balance.whole_step
         window = cfg.hetero.window
         self.layer_samples = [collections.deque(maxlen=window) for _ in self.coords]
         self.extra_samples = [collections.deque(maxlen=window) for _ in self.coords]
@@ -81,7 +83,10 @@ class PipelineBalancer(MeasuringHook):
 
     def after_step(self, engine) -> None:
         t = self.ctx.times
-        mine = torch.tensor([self.ctx.num_microbatches, t.layers_s, t.compute_s], dtype=torch.float64)
+        optimizer_s = t.optimizer_s if self.whole_step else 0.0
+        mine = torch.tensor(
+            [self.ctx.num_microbatches, t.layers_s, t.compute_s, optimizer_s], dtype=torch.float64
+        )
         self._gather(mine)
 
     @property
@@ -115,10 +120,10 @@ class PipelineBalancer(MeasuringHook):
         for (_dp, stage, _tp), row, layer, extra in zip(
             self.coords, rows, self.layer_samples, self.extra_samples
         ):
-            micro, layers_s, compute_s = (float(x) for x in row)
+            micro, layers_s, compute_s, optimizer_s = (float(x) for x in row)
             if micro > 0 and layers_s > 0:  # a layer-less evaluation-only step measures nothing
                 layer.append(layers_s / (self.split[stage] * micro))
-                extra.append(max(compute_s - layers_s, 0.0) / micro)
+                extra.append((max(compute_s - layers_s, 0.0) + optimizer_s) / micro)
         if self.measured and self.requested is None and (step + 1) % self.cfg.interval == 0 and self.ready:
             self._plan()
         if self.trace is not None:

@@ -12,6 +12,14 @@ them through the `torch.distributed` module) and `ComputeTimers` — megatron-co
 opens the 'forward-compute' / 'backward-compute' regions the schedule already times (pipeline
 send/receive waits fall outside them). Own compute = region time - collective time inside regions.
 
+The work no plan moves (issue 31: a slow device is slow at everything): `phase(name)` times a part of
+the step outside the regions the same way — its time minus the collectives inside it — and inside them
+(the data a forward step reads). The Trainer opens `optimizer` around `engine.step()` (ZeRO's reductions
+and gathers are waits; the copies, clipping and AdamW on this rank's partition are its own) and `data`
+around every micro-batch read. The reductions a rank computes inside a collective are not told apart
+from its waits (a host clock cannot see where a peer's arrival ends and the reduction begins): they
+count as waits.
+
 Clocks: on CPU, `time.perf_counter()`. On a GPU, CUDA events recorded on the current stream (a collective
 is timed by events before and after the call, or around `work.wait()` for an asynchronous one: the stream
 time spent waiting for it), read once after the step: nothing synchronizes per region or collective.
@@ -21,10 +29,13 @@ time spent waiting for it), read once after the step: nothing synchronizes per r
     time_layers(model, clock)            # also the own compute inside the transformer layers
     with clock.installed():              # torch.distributed's collectives timed within the block only
         ... one step ...
-    times = clock.read()                 # StepTimes(compute_s, wait_s, layers_s) of the step (resets)
+    with clock.phase("optimizer"):       # own time outside the regions: the optimizer step
+        engine.step()
+    times = clock.read()                 # StepTimes(compute_s, wait_s, layers_s, optimizer_s, data_s) (resets)
 
-The balancer reads `layers_s`: the compute of the work a plan can move. A rank doing fewer units still
-runs the same embedding, output layer and loss; counting them would make it look slower per unit.
+The TP balancer reads `layers_s` as the compute of the work a plan can move (a rank doing fewer units
+still runs the same embedding, output layer and loss: counting them would make it look slower per unit)
+and `fixed_s` as the rest of its own work, which it plans around (megahet/policy/planner.py).
 
 `CommClock.before_collective` callbacks run just before every collective issued inside a region (and at
 the end of every timed transformer layer): a virtual device (megahet/runtime/devices.py) pays its emulated
@@ -55,6 +66,16 @@ class StepTimes(NamedTuple):
     layers_s: float
     """Own compute inside the transformer layers timed by `time_layers` (the work a plan moves: the
     embedding, output layer and loss, which no plan changes, are left out), else 0."""
+    optimizer_s: float = 0.0
+    """Own time in the optimizer step (`phase("optimizer")`: its collectives excluded)."""
+    data_s: float = 0.0
+    """Time reading micro-batches (`phase("data")`, inside the compute regions: a part of `compute_s`)."""
+
+    @property
+    def fixed_s(self) -> float:
+        """Own work no TP plan moves: the compute outside the transformer layers (embedding, output
+        layer, loss, data) and the optimizer step."""
+        return max(self.compute_s - self.layers_s, 0.0) + self.optimizer_s
 
 
 class HostStamps:
@@ -118,6 +139,9 @@ class CommClock:
         self._layers: list[tuple] = []  # (start, end) stamps of transformer layers' forward / backward
         self._layer_waits: list[tuple] = []  # (start, end) stamps of collectives inside them
         self._depth = 0  # a collective calling another (all_gather_object) is timed once
+        self._phase: str | None = None
+        self._phases: dict[str, list[tuple]] = {}  # name -> (start, end) stamps of its intervals
+        self._phase_waits: dict[str, list[tuple]] = {}  # name -> stamps of the collectives inside it
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[CommClock]:
@@ -158,16 +182,37 @@ class CommClock:
             self._layer_start = None
 
     def blocked(self):
-        """Context manager timing one blocking call inside a region (a no-op outside regions)."""
+        """Context manager timing one blocking call inside a region or a phase (else a no-op)."""
         return _Blocked(self)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time a part of the step by name: its own time is the block's minus the collectives inside it
+        (`read()` returns `optimizer` and `data`). Phases do not nest; an inner one is not timed."""
+        if self._phase is not None:
+            yield
+            return
+        self._phase, start = name, self.stamps.now()
+        try:
+            yield
+        finally:
+            self._phases.setdefault(name, []).append((start, self.stamps.now()))
+            self._phase = None
 
     def read(self) -> StepTimes:
         """The step's times since the last read (then reset); on a GPU reads the events."""
         total = self._seconds(self._regions)
         waits = self._seconds(self._waits)
         layers = self._seconds(self._layers) - self._seconds(self._layer_waits)
+        own = {
+            name: max(self._seconds(spans) - self._seconds(self._phase_waits.get(name, [])), 0.0)
+            for name, spans in self._phases.items()
+        }
         self._regions, self._waits, self._layers, self._layer_waits = [], [], [], []
-        return StepTimes(max(total - waits, 0.0), waits, max(layers, 0.0))
+        self._phases, self._phase_waits = {}, {}
+        return StepTimes(
+            max(total - waits, 0.0), waits, max(layers, 0.0), own.get("optimizer", 0.0), own.get("data", 0.0)
+        )
 
     def _seconds(self, intervals: list[tuple]) -> float:
         return sum(self.stamps.seconds(a, b) for a, b in intervals)
@@ -179,24 +224,30 @@ class _Blocked:
 
     def __enter__(self):
         c = self.clock
-        self.timed = c.in_region and c._depth == 0
+        outermost = c._depth == 0
         c._depth += 1
-        if not self.timed:
-            return
-        for pay in c.before_collective:
-            pay()
-        if c.sync_host:
-            torch.cuda.synchronize()
-        self.host0, self.start = time.perf_counter(), c.stamps.now()
+        self.region = outermost and c.in_region
+        self.phase = c._phase if outermost else None
+        if self.region:  # a virtual device pays before its peers could go on (phases: no emulated delay)
+            for pay in c.before_collective:
+                pay()
+            if c.sync_host:
+                torch.cuda.synchronize()
+        if self.region or self.phase is not None:
+            self.host0, self.start = time.perf_counter(), c.stamps.now()
 
     def __exit__(self, *exc):
         c = self.clock
         c._depth -= 1
-        if not self.timed:
+        if not (self.region or self.phase is not None):
             return
-        if c.sync_host:
+        if self.region and c.sync_host:
             torch.cuda.synchronize()
         interval = (self.start, c.stamps.now())
+        if self.phase is not None:
+            c._phase_waits.setdefault(self.phase, []).append(interval)
+        if not self.region:
+            return
         c._waits.append(interval)
         if c._layer_start is not None:
             c._layer_waits.append(interval)
@@ -211,7 +262,8 @@ def _wrap(fn):
             return fn(*args, **kwargs)
         with clock.blocked():
             out = fn(*args, **kwargs)
-        if clock.in_region and out is not None and hasattr(out, "wait"):
+        timed = clock.in_region or clock._phase is not None
+        if timed and out is not None and hasattr(out, "wait"):
             return _TimedWork(out, clock)
         return out
 

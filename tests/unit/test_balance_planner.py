@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import pytest
 
 from megahet.policy.detector import SpeedEstimator
@@ -13,6 +16,7 @@ from megahet.policy.planner import (
     plan_migrate_only,
     plan_resize_only,
     plan_semi,
+    step_times,
 )
 from megahet.policy.resize_planner import balanced_counts, plan_migration
 
@@ -171,3 +175,74 @@ def test_speed_estimator_errors():
         est.update([1.0], [1.0])
     with pytest.raises(ValueError, match="positive"):
         plan_semi([1.0, 0.0])
+
+
+def _best_migrated_time(speeds, fixed, grid: int = 12) -> float:
+    """Brute force: the smallest slowest whole-step time over every split of the group's N x U work into
+    1/grid-of-U pieces (lossless: the work sums to N)."""
+    n = len(speeds)
+    splits = (c for c in itertools.product(range(n * grid + 1), repeat=n) if sum(c) == n * grid)
+    return min(max(step_times([k / grid for k in c], speeds, fixed)) for c in splits)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_migration_with_fixed_work_reaches_the_brute_force_optimum(seed):
+    """Issue 31: with a fixed work per rank (optimizer step, embedding, loss) the lossless plan equalizes
+    whole steps; brute force over a 1/12-unit grid cannot beat it, and it is within one grid step of
+    the grid's best."""
+    rng = random.Random(seed)
+    n = rng.choice([2, 3])
+    speeds = [rng.uniform(0.3, 1.0) for _ in range(n)]
+    fixed = [rng.uniform(0.0, 1.5) for _ in range(n)]
+    target = plan_migrate_only(speeds, max_extra=10.0, fixed=fixed)
+    work = target.work(n)
+    assert sum(work) == pytest.approx(n)
+    planned = max(step_times(work, speeds, fixed))
+    best = _best_migrated_time(speeds, fixed)
+    assert planned <= best + 1e-9
+    assert best <= planned + 1 / (12 * min(speeds)) + 1e-9
+    busy = [w for w in work if w > 1e-9]
+    times = [t for t, w in zip(step_times(work, speeds, fixed), work) if w > 1e-9]
+    assert len(busy) == n and max(times) == pytest.approx(min(times))  # every rank finishes together
+
+
+def test_fixed_work_moves_units_off_a_rank_of_equal_speed():
+    """Equal speeds, one rank with more work that no plan moves (its optimizer step): it gets fewer
+    units, in every mode; equal fixed work moves nothing."""
+    speeds, fixed = [1.0, 1.0], [0.0, 0.5]
+    assert ideal_shares(speeds, fixed) == pytest.approx([1.25, 0.75])
+    assert plan_resize_only(speeds, fixed=fixed).gamma == pytest.approx({1: 0.5})
+    assert plan_migrate_only(speeds, fixed=fixed).moves == {1: {0: pytest.approx(0.25)}}
+    assert plan_semi(speeds, fixed=fixed).gamma == pytest.approx({1: 0.25})  # gap 0.25 < tolerance 0.3
+    assert balance(speeds, "semi", fixed=[0.4, 0.4]).is_even
+    assert not balance(speeds, "migrate", fixed=fixed).is_even
+    # whole steps within healthy_gap of each other: even, although the fixed work differs a little
+    assert balance(speeds, "migrate", fixed=[0.0, 0.04]).is_even
+    # a rank whose fixed work alone exceeds the level gets no movable work it can shed
+    assert ideal_shares([1.0, 1.0], [0.0, 3.0]) == pytest.approx([2.0, 0.0])
+
+
+def test_resize_with_fixed_work_caps_every_whole_step_at_the_quickest():
+    speeds, fixed = [1.0, 0.5, 0.8], [0.3, 0.1, 0.6]
+    target = plan_resize_only(speeds, fixed=fixed)
+    quickest = min(step_times([1.0] * 3, speeds, fixed))
+    times = step_times(target.work(3), speeds, fixed)
+    for r, t in enumerate(times):
+        assert t <= quickest + 1e-9
+        assert r not in target.gamma or t == pytest.approx(quickest)  # drops no more than it must
+    with pytest.raises(ValueError, match="fixed work must be 3 finite times"):
+        plan_resize_only(speeds, fixed=[0.0, 1.0])
+
+
+def test_semi_follows_the_current_gap_as_it_grows_and_keeps_migrating_within_a_band():
+    """Issue 31: a straggler whose gap grows in steps (real contention arriving) first resizes, migrates
+    once its gap reaches the tolerance, and goes back to resizing only when the gap falls below the
+    tolerance minus the band (the hysteresis): a gap hovering at the tolerance does not flip the plan
+    between lossy and lossless."""
+    decided, current = [], None
+    for slow in (0.96, 0.63, 0.55, 0.45, 0.52, 0.58, 0.65):  # gaps 0.02 0.23 0.29 0.38 0.32 0.27 0.21
+        current = balance([1.0, slow], "semi", current, tolerance=0.3, hysteresis_threshold=0.05)
+        decided.append("even" if current.is_even else "migrate" if current.moves else "resize")
+    assert decided == ["even", "resize", "resize", "migrate", "migrate", "migrate", "resize"]
+    # Without a current plan (the same speeds from the start), 0.58 resizes: the band only keeps a choice.
+    assert not balance([1.0, 0.58], "semi", tolerance=0.3).moves

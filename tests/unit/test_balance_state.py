@@ -58,8 +58,9 @@ class _Gathered:
         pass
 
 
-def _controller(mode: str, trace=None) -> BalanceController:
+def _controller(mode: str, trace=None, whole_step: bool = True) -> BalanceController:
     overrides = {"balance.mode": mode, "balance.window": 3, "balance.interval": 2, "balance.trace": trace}
+    overrides["balance.whole_step"] = whole_step
     cfg = apply_overrides(MegahetConfig(), overrides)
     ctx = types.SimpleNamespace(times=StepTimes(0.0, 0.0, 0.0), step_t0=time.perf_counter(), shares=(4,))
     return BalanceController(cfg, LAYOUT, _FakeResize(), ctx)
@@ -67,13 +68,14 @@ def _controller(mode: str, trace=None) -> BalanceController:
 
 def _step(controller: BalanceController, step: int) -> dict:
     """One step: plan from what was gathered, then this step's rows (the plan's work at the profile's
-    speeds, so work / time is the speed); returns what the controller decided."""
+    speeds, so work / time is the speed, and a fixed work that is slow on a slow rank too); returns what the controller decided."""
     controller.before_forward_backward(step)
     work = controller.targets[0].work(TP)
     speeds = [1.0, _speed(step)]
     rows = [
         torch.tensor(
-            [0, tp, 1e9 * work[tp], work[tp] / speeds[tp], work[tp] / speeds[tp], 0.01], dtype=torch.float64
+            [0, tp, 1e9 * work[tp], work[tp] / speeds[tp], work[tp] / speeds[tp], 0.01, 0.1 / speeds[tp]],
+            dtype=torch.float64,
         )
         for tp in range(TP)
     ]
@@ -154,10 +156,41 @@ def test_declared_speeds_plan_the_tp_group_before_any_measurement(mode: str) -> 
     give, handed to the ResizeController at once; the measured speeds take over later."""
     declared = _controller(mode)
     declared.start_from([[2.0, 0.5]])  # relative: normalized to the fastest
-    measured = _controller(mode)
+    measured = _controller(mode, whole_step=False)  # declared speeds know no fixed work
     for step in range(8, 12):  # TP rank 1 at 0.25 (steps 6-17): measured, then planned at the interval
         _step(measured, step)
     measured.before_forward_backward(12)
     assert declared.targets == measured.targets != [type(declared.targets[0])()]
     assert (declared.resize.gammas, declared.resize.moves) == (measured.resize.gammas, measured.resize.moves)
     assert declared.resize.replans == 1
+
+
+def _rows(work: list[float], layers_s: list[float], fixed_s: list[float]) -> list[torch.Tensor]:
+    return [
+        torch.tensor(
+            [0, tp, 1e9 * work[tp], layers_s[tp], layers_s[tp], 0.0, fixed_s[tp]], dtype=torch.float64
+        )
+        for tp in range(TP)
+    ]
+
+
+@pytest.mark.parametrize("mode", ["resize", "migrate", "semi"])
+def test_a_rank_with_more_fixed_work_gets_less_movable_work(mode: str) -> None:
+    """Issue 31: equal speeds in the layers, but TP rank 1's fixed work (its optimizer step) takes 0.5 s
+    more; the whole-step balancer moves units off it until the whole steps end together; with
+    balance.whole_step=false nothing moves, and equal fixed work moves nothing either."""
+    decided = {}
+    for whole_step, fixed_s in ((True, [0.1, 0.6]), (False, [0.1, 0.6]), (True, [0.3, 0.3])):
+        controller = _controller(mode, whole_step=whole_step)
+        for step in range(6):
+            controller.before_forward_backward(step)
+            work = controller.targets[0].work(TP)
+            controller._pending = (_Gathered(), _rows(work, work, fixed_s), step, 1.0)
+        controller.before_forward_backward(6)
+        decided[(whole_step, fixed_s[1])] = controller.targets[0]
+    assert decided[(False, 0.6)].is_even and decided[(True, 0.3)].is_even
+    moved = decided[(True, 0.6)]
+    work = moved.work(TP)
+    assert work[1] < 1.0 - 0.2  # 1 s of layers each, 0.5 s more fixed work on rank 1
+    if mode == "migrate":
+        assert work == pytest.approx([1.25, 0.75])  # whole steps 1.25 + 0.1 = 0.75 + 0.6

@@ -8,6 +8,7 @@ Run: ``python -m pytest tests/unit/test_dp_shares.py -q`` (seconds; pure functio
 from __future__ import annotations
 
 import itertools
+import random
 
 import numpy as np
 import pytest
@@ -119,3 +120,32 @@ def test_loss_scale_gives_the_even_splits_gradient(shares) -> None:
     ]
     np.testing.assert_allclose(np.mean(replicas, axis=0), grads.mean(axis=0), rtol=1e-12, atol=1e-15)
     assert replica_loss_scale(total // dp, total, dp) == 1.0 or total % dp
+
+
+def _best_whole_step(speeds, fixed, total) -> float:
+    """The smallest slowest-replica whole step (micro-batches plus fixed work) over every split."""
+    d = len(speeds)
+    splits = (c for c in itertools.product(range(1, total - d + 2), repeat=d) if sum(c) == total)
+    return min(step_time(c, speeds, fixed) for c in splits)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_shares_with_fixed_work_minimize_the_slowest_whole_step(seed: int) -> None:
+    """Issue 31: a replica's fixed work (its optimizer step) counts; the split is optimal against brute
+    force over every split, and a replica with more fixed work never gets more micro-batches."""
+    rng = random.Random(seed)
+    d, total = rng.choice([2, 3]), rng.choice([6, 8, 12])
+    speeds = [rng.uniform(0.3, 1.0) for _ in range(d)]
+    fixed = [rng.uniform(0.0, 3.0) for _ in range(d)]
+    shares = dp_shares(speeds, total, healthy_gap=0.0, fixed=fixed)
+    assert sum(shares) == total and min(shares) >= 1
+    assert step_time(shares, speeds, fixed) == pytest.approx(_best_whole_step(speeds, fixed, total))
+    alike = dp_shares([1.0] * d, total, healthy_gap=0.0, fixed=[1.0] * (d - 1) + [3.0])
+    assert alike[-1] < min(alike[:-1])  # equal speeds: the replica with more fixed work runs fewer
+
+
+def test_equal_fixed_work_keeps_alike_replicas_even_and_bad_fixed_work_is_refused() -> None:
+    assert dp_shares([1.0, 0.98], 8, fixed=[2.0, 2.0]) == (4, 4)
+    assert dp_shares([1.0, 1.0], 8, fixed=[0.0, 2.0]) == (5, 3)  # 5 + 0 against 3 + 2: whole steps equal
+    with pytest.raises(ValueError, match="fixed work must be 2 finite times >= 0"):
+        dp_shares([1.0, 0.5], 8, fixed=[1.0, -1.0])

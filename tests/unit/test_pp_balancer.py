@@ -53,7 +53,7 @@ def _feed(balancer: PipelineBalancer, step: int, layer_s: list[float], extra_s: 
     for _dp, stage, _tp in COORDS:
         layers = layer_s[stage] * balancer.split[stage] * 2
         extra = extra_s * 2 if stage == len(balancer.split) - 1 else 0.0
-        rows.append(torch.tensor([2.0, layers, layers + extra], dtype=torch.float64))
+        rows.append(torch.tensor([2.0, layers, layers + extra, 0.0], dtype=torch.float64))
     balancer._pending = (_Done(), rows, step, 1.0)
     balancer.before_forward_backward(step + 1)
 
@@ -84,7 +84,7 @@ def test_the_slowest_replica_sets_its_stage_time():
     """One split serves every replica: stage 1 is as slow as replica 1's copy of it."""
     balancer, requests = _balancer("--hetero.pp_patience", "1")
     rows = [
-        torch.tensor([2.0, n * 2 * t, n * 2 * t], dtype=torch.float64)
+        torch.tensor([2.0, n * 2 * t, n * 2 * t, 0.0], dtype=torch.float64)
         for n, t in [(4, 1), (4, 1), (4, 1), (4, 4)]
     ]
     balancer._pending = (_Done(), rows, 0, 1.0)

@@ -1,17 +1,18 @@
 """The real-contention benchmark's parts: rank-to-core pinning (tools/pin_ranks.py), the competing
-process and the core share it leaves (benchmarks/contention.py), and the table's arithmetic: the ideal
-speed-up of a perfect split of static's measured speeds and the goal lines
+process and the core share it leaves (benchmarks/contention.py), and the table's arithmetic: each run's
+step split per rank, the capacity ideal from the core shares, the gain captured and the goal lines
 (benchmarks/real_contention.py)."""
 
 from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
 from benchmarks.contention import competing_process, core_share, schedstat, two_cores
-from benchmarks.real_contention import add_speedups, goals, summarize
+from benchmarks.real_contention import add_capacity, goals, summarize
 from megahet.runtime.balancer import compute_efficiency
 from tools.pin_ranks import rank_core
 
@@ -46,44 +47,50 @@ def test_competing_process_burns_its_core_until_the_block_ends():
     assert proc.poll() is not None  # killed on exit
 
 
-def _trace(steps: int, busy: list[float], sent: float = 0.0, step_s: float = 1.0) -> list[dict]:
+def _trace(steps: int, busy: list[float], fixed: list[float], step_s: float) -> list[dict]:
+    """A TP=2 trace: both ranks did the same work, at these layer and fixed times."""
     return [
         {
             "step": s,
             "step_s": step_s,
             "busy_s": [busy],
-            "efficiency": [compute_efficiency([1.0, 1.0], busy)],
-            "speed": [[1.0, min(busy) / max(busy)]] if s else [None],
-            "sent": [[0.0, sent if s >= 2 else 0.0]],
-            "dropped": [[0.0, 0.0]],
+            "fixed_s": [fixed],
+            "work_gflop": [[1.0, 1.0]],
+            "efficiency": [compute_efficiency([1.0, 1.0], busy, fixed)],
         }
         for s in range(steps)
     ]
 
 
-def test_summary_ideal_speedup_and_goals():
-    static = summarize("static", True, _trace(10, [0.2, 0.4], step_s=0.6), share=0.5, skip=4)
-    migrate = summarize("migrate", True, _trace(10, [0.3, 0.3], sent=0.3, step_s=0.5), share=0.5, skip=4)
-    semi = summarize("semi", True, _trace(10, [0.3, 0.3], sent=0.3, step_s=0.58), share=0.5, skip=4)
-    calm = summarize("static", False, _trace(10, [0.2, 0.2], step_s=0.35), share=0.95, skip=4)
-    assert static["reaction_steps"] == "-" and migrate["reaction_steps"] == 2
-    # Speeds 1 and 0.5: a perfect split takes 2 / (1/0.2 + 1/0.4) = 0.267 s, E = 0.267 / 0.4 = 2/3.
-    assert static["est_speed_tp1"] == pytest.approx(0.5) and static["balance_eff"] == pytest.approx(2 / 3)
-    rows = [static, migrate, semi, calm]
-    add_speedups(rows)
-    # It saves max compute x (1 - E) = 0.4 / 3 of static's 0.6 s.
-    assert static["ideal_step_s"] == pytest.approx(0.6 - 0.4 / 3)
-    assert migrate["ideal_speedup"] == pytest.approx(0.6 / (0.6 - 0.4 / 3))
-    assert migrate["speedup"] == pytest.approx(1.2)
-    assert migrate["of_ideal"] == pytest.approx(1.2 / migrate["ideal_speedup"])
-    assert calm["speedup"] == pytest.approx(0.6 / 0.35)
+def test_capacity_ideal_gain_captured_and_goals():
+    """T_cap = T_homog x N / sum(r_i) from each run's core shares; gain captured = (T_static / T - 1) /
+    (T_static / T_cap - 1); the old compute-only ideal beside it."""
+    calm = summarize("tp", "static", False, [_trace(10, [0.2, 0.2], [0.05, 0.05], 0.3)], [0.95, 0.97], skip=4)
+    static = summarize("tp", "static", True, [_trace(10, [0.2, 0.4], [0.05, 0.1], 0.6)], [1.0, 0.5], skip=4)
+    migrate = summarize(
+        "tp", "migrate", True, [_trace(10, [0.3, 0.3], [0.05, 0.1], 0.45)], [1.0, 0.5], skip=4
+    )
+    semi = summarize("tp", "semi", True, [_trace(10, [0.3, 0.3], [0.05, 0.1], 0.55)], [1.0, 0.5], skip=4)
+    rows = [calm, static, migrate, semi]
+    add_capacity(rows)
+    assert static["movable"] == [0.2, 0.4] and static["fixed"] == [0.05, 0.1]
+    assert static["waits"] == pytest.approx([0.35, 0.1])  # the step less each rank's own work
+    # Homogeneous 0.3 s; shares 1 and 0.5: the two cores do 1.5 / 2 of the work per second.
+    assert migrate["capacity_s"] == pytest.approx(0.3 * 2 / 1.5)
+    assert migrate["speedup"] == pytest.approx(0.6 / 0.45)
+    assert migrate["gain_captured"] == pytest.approx((0.6 / 0.45 - 1) / (0.6 / 0.4 - 1))
+    assert static["gain_captured"] == pytest.approx(0.0)
+    # The layers at speeds 1 and 0.5 split ideally take 2 / (1/0.2 + 1/0.4) = 0.267 s: E 2/3 of 0.4 s.
+    assert static["compute_ideal_s"] == pytest.approx(0.6 - 0.4 / 3)
     lines = goals(rows)
-    assert lines[0] == "migrate: speed-up 1.200 = 0.933 of the ideal 1.286 (goal >= 0.9) -> met"
-    assert lines[1] == "semi: speed-up 1.034 = 0.805 of the ideal 1.286 (goal >= 0.9) -> MISSED"
-    assert len(lines) == 2  # resize and the uncontended run have no goal
+    assert lines[0].startswith(
+        "tp migrate: 0.450 s/step, speed-up 1.333, capacity ideal 0.400 s (core shares 1.00 0.50)"
+    )
+    assert lines[0].endswith("gain captured 0.67 (goal >= 0.8) -> MISSED")
+    assert len(lines) == 2  # migrate and semi: static and the homogeneous run have no goal
 
 
-def test_a_run_pins_the_ranks_and_passes_the_settings(tmp_path, monkeypatch):
+def test_a_run_pins_the_ranks_and_reads_every_stage_trace(tmp_path, monkeypatch):
     import json
 
     import benchmarks.real_contention as bench
@@ -93,29 +100,37 @@ def test_a_run_pins_the_ranks_and_passes_the_settings(tmp_path, monkeypatch):
 
     def fake_torchrun(script, nproc, args, log):
         launched.append((script, nproc, args, log, os.environ.get("MEGAHET_CORES")))
-        trace = args[args.index("--balance.trace") + 1]
-        with open(trace, "w") as f:
-            f.write(json.dumps({"step": 0}) + "\n")
+        trace = Path(args[args.index("--balance.trace") + 1])
+        for stage in (0, 1):
+            path = trace.with_name(f"{trace.stem}_stage{stage}{trace.suffix}")
+            path.write_text(json.dumps({"step": 0, "stage": stage}) + "\n")
         return 1.0
 
     monkeypatch.setattr(bench, "torchrun", fake_torchrun)
-    trace, _ = bench.run("migrate", False, 12, [0, 1], ["--resize.selection", "random"], tag="x_")
+    traces, shares = bench.run(
+        "pp", "measured", False, 12, [0, 1], ["--resize.selection", "random"], tag="x_"
+    )
     ((script, nproc, args, log, cores),) = launched
-    assert (script, nproc, log, cores) == ("tools/pin_ranks.py", 2, tmp_path / "x_migrate_calm.log", "0,1")
-    assert args[args.index("--balance.mode") + 1] == "migrate" and args[-2:] == [
-        "--resize.selection",
-        "random",
-    ]
-    assert trace == [{"step": 0}] and "MEGAHET_CORES" not in os.environ
+    assert (script, nproc, log, cores) == (
+        "tools/pin_ranks.py",
+        2,
+        tmp_path / "x_pp_measured_calm.log",
+        "0,1",
+    )
+    splits = [args[i + 1] for i, a in enumerate(args) if a == "--hetero.pp_split"]
+    assert splits == ["even", "measured"]  # the layout's, then the mode's (the last one wins)
+    assert args[-2:] == ["--resize.selection", "random"]
+    assert [t[0]["stage"] for t in traces] == [0, 1] and len(shares) == 2
+    assert "MEGAHET_CORES" not in os.environ
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--set", "resize.selection=random"], "give them their own --name"),
-        (["--set", "balance.window=5", "--name", "x"], "--set balance.window: the benchmark sets it"),
+        (["--set", "balance.mode=semi", "--name", "x"], "--set balance.mode: the benchmark sets it"),
         (["--set", "oops", "--name", "x"], "expected KEY=VALUE"),
-        (["--modes", "migrate"], "must include static"),
+        (["--cases", "dp", "--modes", "semi"], "no case has mode"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(argv, message, monkeypatch):

@@ -20,7 +20,10 @@ compute and its optimizer step: `StepTimes.fixed_s`) and waits (the rest of the 
 balancer's trace (`--balance.trace`, which every run writes).
 
 The physical limit: if rank i gets the fraction r_i of its core, the two cores do sum(r_i) / N of the
-homogeneous run's work per second, so no plan beats the capacity ideal T_cap = T_homog x N / sum(r_i).
+work per second of two whole cores, so no plan beats the capacity ideal T_cap = T_homog x N / sum(r_i)
+(../shared/DESIGN.md). The homogeneous run's ranks do not get whole cores either (measured: about 0.91
+each, the rest going to the launcher and the machine's other processes), so its N becomes its own
+sum of shares: T_cap = T_homog x sum(r_homog) / sum(r_i).
 The gain captured of a run is (T_static / T - 1) / (T_static / T_cap - 1): 1 reaches the capacity
 ideal, 0 is static. Beside it (TP), the old compute-only ideal: static's step minus the layers' compute
 it loses to their imbalance. Goal: gain captured >= 0.8 in every case's balanced mode.
@@ -233,8 +236,8 @@ def add_capacity(rows: list[dict]) -> None:
         homogeneous = next(r for r in mine if not r["contended"])
         for row in mine:
             row["speedup"] = static["step_s"] / row["step_s"]
-            shares = row["core_shares"] if row["contended"] else [1.0] * RANKS
-            row["capacity_s"] = homogeneous["step_s"] * len(shares) / sum(min(s, 1.0) for s in shares)
+            calm = sum(min(s, 1.0) for s in homogeneous["core_shares"])
+            row["capacity_s"] = homogeneous["step_s"] * calm / sum(min(s, 1.0) for s in row["core_shares"])
             possible = static["step_s"] / row["capacity_s"] - 1
             row["gain_captured"] = (row["speedup"] - 1) / possible if possible > 0 else float("nan")
 

@@ -228,7 +228,7 @@ def test_contended_rank_is_detected_and_work_migrates_within_a_few_steps(tp_run)
 def test_slow_compute_falls_once_the_plan_changes(tp_run):
     """The slow rank's compute falls and the group's compute efficiency rises once work has moved: what
     the plan controls. The step time is a speed goal, measured side by side by
-    benchmarks/real_contention.py (migrate 0.978 of the ideal speed-up), not asserted here: the gain is
+    benchmarks/real_contention.py (against the capacity ideal, docs/benchmarks.md), not asserted here: the gain is
     ~10 % on this 2-core machine (the contended rank's collectives, optimizer step and transfers slow
     down too, and no plan moves those), within the noise of the two unbalanced steps a test can see: the
     test asserts the direction with a 3 % margin and the balance (balance_eff) itself.

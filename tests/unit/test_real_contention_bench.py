@@ -63,9 +63,9 @@ def _trace(steps: int, busy: list[float], fixed: list[float], step_s: float) -> 
 
 
 def test_capacity_ideal_gain_captured_and_goals():
-    """T_cap = T_homog x N / sum(r_i) from each run's core shares; gain captured = (T_static / T - 1) /
-    (T_static / T_cap - 1); the old compute-only ideal beside it."""
-    calm = summarize("tp", "static", False, [_trace(10, [0.2, 0.2], [0.05, 0.05], 0.3)], [0.95, 0.97], skip=4)
+    """T_cap = T_homog x sum(r_homog) / sum(r_i) from each run's core shares; gain captured =
+    (T_static / T - 1) / (T_static / T_cap - 1); the old compute-only ideal beside it."""
+    calm = summarize("tp", "static", False, [_trace(10, [0.2, 0.2], [0.05, 0.05], 0.3)], [1.0, 0.9], skip=4)
     static = summarize("tp", "static", True, [_trace(10, [0.2, 0.4], [0.05, 0.1], 0.6)], [1.0, 0.5], skip=4)
     migrate = summarize(
         "tp", "migrate", True, [_trace(10, [0.3, 0.3], [0.05, 0.1], 0.45)], [1.0, 0.5], skip=4
@@ -75,18 +75,18 @@ def test_capacity_ideal_gain_captured_and_goals():
     add_capacity(rows)
     assert static["movable"] == [0.2, 0.4] and static["fixed"] == [0.05, 0.1]
     assert static["waits"] == pytest.approx([0.35, 0.1])  # the step less each rank's own work
-    # Homogeneous 0.3 s; shares 1 and 0.5: the two cores do 1.5 / 2 of the work per second.
-    assert migrate["capacity_s"] == pytest.approx(0.3 * 2 / 1.5)
+    # Homogeneous 0.3 s at shares 1 and 0.9; contended 1 and 0.5: the cores do 1.5 / 1.9 of the work.
+    assert migrate["capacity_s"] == pytest.approx(0.3 * 1.9 / 1.5) == calm["capacity_s"] * 1.9 / 1.5
     assert migrate["speedup"] == pytest.approx(0.6 / 0.45)
-    assert migrate["gain_captured"] == pytest.approx((0.6 / 0.45 - 1) / (0.6 / 0.4 - 1))
+    assert migrate["gain_captured"] == pytest.approx((0.6 / 0.45 - 1) / (0.6 / 0.38 - 1))
     assert static["gain_captured"] == pytest.approx(0.0)
     # The layers at speeds 1 and 0.5 split ideally take 2 / (1/0.2 + 1/0.4) = 0.267 s: E 2/3 of 0.4 s.
     assert static["compute_ideal_s"] == pytest.approx(0.6 - 0.4 / 3)
     lines = goals(rows)
     assert lines[0].startswith(
-        "tp migrate: 0.450 s/step, speed-up 1.333, capacity ideal 0.400 s (core shares 1.00 0.50)"
+        "tp migrate: 0.450 s/step, speed-up 1.333, capacity ideal 0.380 s (core shares 1.00 0.50)"
     )
-    assert lines[0].endswith("gain captured 0.67 (goal >= 0.8) -> MISSED")
+    assert lines[0].endswith("gain captured 0.58 (goal >= 0.8) -> MISSED")
     assert len(lines) == 2  # migrate and semi: static and the homogeneous run have no goal
 
 

@@ -48,6 +48,7 @@ from megahet.parallel import ParallelLayout
 from megahet.policy.detector import MedianWindow, SpeedEstimator
 from megahet.policy.planner import WorkTarget, balance, ideal_shares, step_times
 from megahet.runtime.hooks import MeasuringHook, StepContext
+from megahet.runtime.trace_plot import read_trace
 from megahet.runtime.trace_writer import TraceWriter, trace_path
 
 
@@ -64,12 +65,15 @@ def compute_efficiency(work: list[float], busy: list[float], fixed: list[float] 
     return ideal / max(t + f for t, f in zip(busy, fixed))
 
 
+def _stage_tag(stage: int | None) -> str | None:
+    """A pipeline stage's trace tag (stage1: run_stage1.jsonl), None without pipeline stages."""
+    return None if stage is None else f"stage{stage}"
+
+
 def recorded_targets(path: str, stage: int | None) -> dict[int, list[WorkTarget]]:
     """The TP targets each step of a --balance.trace run executed, [dp] per step, from its trace (the
     stage's own file when `stage` is given); ValueError naming the problem when it has none."""
-    from megahet.runtime.trace_plot import read_trace  # the one trace reader
-
-    file = trace_path(path, None if stage is None else f"stage{stage}")
+    file = trace_path(path, _stage_tag(stage))
     rows = read_trace(file)
     if any("targets" not in row for row in rows):
         raise ValueError(
@@ -118,9 +122,7 @@ class BalanceController(MeasuringHook):
         """This stage's trace (its first TP rank of DP replica 0 writes it), if one is asked for."""
         stage = layout.pp_rank if layout.pp_size > 1 else None
         if cfg.balance.trace and layout.tp_rank == 0 and layout.dp_rank == 0:
-            self.trace = TraceWriter(
-                trace_path(cfg.balance.trace, None if stage is None else f"stage{stage}")
-            )
+            self.trace = TraceWriter(trace_path(cfg.balance.trace, _stage_tag(stage)))
         self.replayed = recorded_targets(cfg.balance.replay, stage) if cfg.balance.replay else None
         """balance.replay: the recorded run's targets by step (executed instead of planned ones)."""
 

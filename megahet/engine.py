@@ -25,6 +25,7 @@ from megahet.compat.deepspeed_zero import mark_pipe_replicated
 from megahet.config import ConfigError, MegahetConfig, load_deepspeed_json
 from megahet.parallel import MegatronMpu
 from megahet.platform import cuda_available
+from megahet.policy.reshard_plan import decays
 
 # Keys megahet owns, because the pipeline schedule and data sampler depend on them.
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -107,8 +108,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        is_matrix = param.ndim >= 2 and "position_embeddings" not in name and "cls_token" not in name
-        (decay if is_matrix else no_decay).append(param)
+        (decay if decays(name, param.ndim) else no_decay).append(param)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

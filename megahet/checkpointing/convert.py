@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import re
 import time
 from pathlib import Path
 
@@ -43,27 +42,8 @@ from megahet.checkpointing.safe_load import load_file
 from megahet.compat.deepspeed_checkpoint import model_states_file, zero_fp32_masters, zero_shard_files
 from megahet.config import ConfigError, ModelConfig
 from megahet.models.gpt import padded_vocab_size
+from megahet.policy.reshard_plan import FIRST_STAGE, LAYER_NAME, TIED_COPY, WORD_EMBEDDING, partition_dim
 from megahet.policy.stage_split import check_split
-
-TIED_COPY = "output_layer.weight"
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
-# suffix of a parameter name -> its TP partition dim (absent: replicated)
-_PARTITION = {
-    "embedding.word_embeddings.weight": 0,
-    "output_layer.weight": 0,
-    "self_attention.linear_qkv.weight": 0,
-    "self_attention.linear_qkv.bias": 0,
-    "mlp.linear_fc1.weight": 0,
-    "mlp.linear_fc1.bias": 0,
-    "self_attention.linear_proj.weight": 1,
-    "mlp.linear_fc2.weight": 1,
-}
-
-
-def partition_dim(name: str) -> int | None:
-    """TP partition dim of a (TP=1 PP=1) parameter name, or None for a replicated one."""
-    match = _LAYER.match(name)
-    return _PARTITION.get(match.group(2) if match else name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +94,7 @@ def split_tp_shards(tensor: torch.Tensor, tp: int, dim: int, gated: bool) -> lis
 
 
 def num_layers_of(state: dict) -> int:
-    return 1 + max(int(m.group(1)) for k in state if (m := _LAYER.match(k)))
+    return 1 + max(int(m.group(1)) for k in state if (m := LAYER_NAME.match(k)))
 
 
 def find_checkpoint(path: str | Path) -> tuple[Path, dict]:
@@ -181,11 +161,11 @@ def merge_shards(stages: list[list[dict]], layout: ShardLayout = ShardLayout()) 
     out: dict[str, torch.Tensor] = {}
     first_layer = 0
     for pp_rank, shards in enumerate(stages):
-        local_layers = {int(m.group(1)) for k in shards[0] if (m := _LAYER.match(k))}
+        local_layers = {int(m.group(1)) for k in shards[0] if (m := LAYER_NAME.match(k))}
         for name in shards[0]:
             if name == TIED_COPY and layout.tied and len(stages) > 1 and pp_rank > 0:
                 continue  # the last stage's copy of the tied word embedding
-            match = _LAYER.match(name)
+            match = LAYER_NAME.match(name)
             full = f"decoder.layers.{first_layer + int(match.group(1))}.{match.group(2)}" if match else name
             if not torch.is_tensor(shards[0][name]):
                 out[full] = shards[0][name]
@@ -236,13 +216,12 @@ def shard(
         ) from None
     owner = [(stage, local) for stage, n in enumerate(stage_layers) for local in range(n)]
     stages = [[{} for _ in range(tp)] for _ in range(pp)]
-    embedding_owner = {"embedding.", "patch_embedding.", "cls_token", "position_embeddings"}
     for name, tensor in state.items():
-        match = _LAYER.match(name)
+        match = LAYER_NAME.match(name)
         if match:
             stage, local = owner[int(match.group(1))]
             targets = [(stage, f"decoder.layers.{local}.{match.group(2)}")]
-        elif any(name.startswith(p) for p in embedding_owner):
+        elif name.startswith(FIRST_STAGE):
             targets = [(0, name)]
             if name == "embedding.word_embeddings.weight" and pp > 1 and layout.tied:
                 targets.append((pp - 1, TIED_COPY))
@@ -259,8 +238,6 @@ def shard(
 
 
 # --- resharding into a weights-only megahet checkpoint ------------------------------------------
-
-WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
 
 def model_settings(meta: dict, given: ModelConfig | None, command: str) -> ModelConfig:

@@ -102,12 +102,7 @@ def load_into_engine(engine, state: dict) -> None:
     (every parameter the optimizer partitions must be in `state`)."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    optimizer = engine.optimizer
-    _init_adam_state(optimizer.optimizer, state["step"])
-    if state.get("lr") is not None:  # the schedule's value at the save, until its next step
-        for group, lr in zip(optimizer.optimizer.param_groups, state["lr"], strict=True):
-            group["lr"] = lr
-    zero.link_optimizer_state(optimizer)  # link each parameter's fragment of Adam's state
+    prepare_adam(engine, state["step"], state.get("lr"))
     params = dict(engine.module.named_parameters())
     trained = {name for name, p in params.items() if zero.hp_fragment(p) is not None}
     missing = sorted(trained - set(state["fp32"]))
@@ -118,6 +113,18 @@ def load_into_engine(engine, state: dict) -> None:
         safe_set_full_fp32_param(param, state["fp32"][name].to(param.device))
         for key in ("exp_avg", "exp_avg_sq"):
             safe_set_full_optimizer_state(param, state[key][name].to(param.device), key)
+
+
+def prepare_adam(engine, step: int, lrs: list[float] | None) -> None:
+    """Give the engine's ZeRO optimizer Adam's state at `step` (zero moments), the learning rates `lrs`
+    per group (the schedule's value at the save, until its next step) and each parameter's link to its
+    fragment of that state, so that the per-parameter state can be written into it."""
+    optimizer = engine.optimizer
+    _init_adam_state(optimizer.optimizer, step)
+    if lrs is not None:
+        for group, lr in zip(optimizer.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+    zero.link_optimizer_state(optimizer)
 
 
 def _init_adam_state(adam: torch.optim.Optimizer, step: int) -> None:

@@ -48,6 +48,25 @@ def fragment_local_offsets(fragment, offsets: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(mine).to(fragment.hp_fragment.device)
 
 
+def fragment_range(fragment) -> tuple[int, int]:
+    """[start, stop) of the parameter's flat elements that its ZeRO fragment holds."""
+    addr = fragment.lp_fragment_address
+    return addr.start, addr.start + addr.numel
+
+
+def fragment_master(fragment) -> torch.Tensor:
+    """The fragment's fp32 master elements (a flat view into the ZeRO partition)."""
+    return fragment.hp_fragment
+
+
+def adam_step(zero_optimizer) -> int:
+    """Adam's step count (every flat partition shares it; 0 before the first step)."""
+    inner = zero_optimizer.optimizer
+    for state in inner.state.values():
+        return int(state["step"])
+    return 0
+
+
 def fragment_optimizer_state(fragment, optimizer) -> dict[str, torch.Tensor]:
     """This ZeRO fragment's optimizer-state views ({} before the first step), linking them if needed.
 

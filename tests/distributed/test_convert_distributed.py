@@ -59,15 +59,19 @@ def launch(out, jobs: list[dict]) -> tuple[dict[str, dict], str]:
 
 @pytest.fixture(scope="module")
 def trained(gpt_data, tmp_path_factory):
-    """Launch 1: GPT and ViT, TP=2 x PP=2, 3 steps, saved into out/gpt_ck and out/vit_ck."""
+    """Launch 1: GPT, Llama and ViT at TP=2 x PP=2 and GPT at TP=2 x DP=2 with ZeRO-2, 3 steps, saved into
+    out/gpt_ck, out/llama_ck, out/vit_ck and out/gpt_dp2_ck."""
     out = tmp_path_factory.mktemp("convert")
     gpt = [*GPT_MODEL, *gpt_data, *COMMON, *TP2_PP2, "--train.train_iters", "3"]
     vit = [*VIT_MODEL, *COMMON, *TP2_PP2, "--train.train_iters", "3"]
     llama = [*LLAMA_MODEL, *gpt_data, *COMMON, *TP2_PP2, "--train.train_iters", "3"]
+    gpt_dp2 = [*GPT_MODEL, *gpt_data, *COMMON, "--parallel.tp", "2", "--parallel.zero_stage", "2",
+               "--train.train_iters", "3"]  # fmt: skip
     jobs = [
         {"name": "gpt", "task": "gpt", "argv": [*gpt, "--train.save", str(out / "gpt_ck")]},
         {"name": "vit", "task": "vit", "argv": [*vit, "--train.save", str(out / "vit_ck")]},
         {"name": "llama", "task": "gpt", "argv": [*llama, "--train.save", str(out / "llama_ck")]},
+        {"name": "gpt_dp2", "task": "gpt", "argv": [*gpt_dp2, "--train.save", str(out / "gpt_dp2_ck")]},
     ]
     results, _ = launch(out, jobs)
     return out, results, {"gpt": gpt, "vit": vit, "llama": llama}
@@ -210,3 +214,52 @@ def test_resharded_checkpoints_load_and_continue(trained, capsys):
     tp1, tp4 = loaded["tp1"]["history"][0], loaded["tp4"]["history"][0]
     compare("reshard tp1 vs tp4", "step 4 loss, grad norm", torch.tensor([tp1["loss"], tp1["grad_norm"]]),
             torch.tensor([tp4["loss"], tp4["grad_norm"]]))  # fmt: skip
+
+
+# (checkpoint, new TP, PP, layers per stage, DP): a one-layer re-split, TP x PP x DP changes, elastic
+# 4 -> 2 ranks, the gated and untied Llama, ViT, and a ZeRO-2 checkpoint at DP 2 to DP 1 and 3
+PLANNED = [
+    ("gpt_ck", 2, 2, (3, 1), 1),
+    ("gpt_ck", 1, 1, (4,), 4),
+    ("gpt_ck", 2, 1, (4,), 1),
+    ("llama_ck", 2, 1, (4,), 2),
+    ("llama_ck", 1, 2, (1, 3), 2),
+    ("vit_ck", 1, 1, (2,), 2),
+    ("gpt_dp2_ck", 2, 2, (1, 3), 1),
+    ("gpt_dp2_ck", 1, 1, (4,), 3),
+]
+
+
+def test_reshard_plans_give_the_rank0_reshard_bit_for_bit(trained, tmp_path):
+    """Each old rank's state read from its own files (its model states and its ZeRO file: DeepSpeed's
+    fragments must be where the plan puts them), moved by the plan, equals the rank-0 reshard's output
+    cut to each new rank's ZeRO fragment, bit for bit; and the plan moves the minimum."""
+    from megahet.checkpointing.convert import find_checkpoint, reshard_into
+    from megahet.checkpointing.sharded_state import (
+        checkpoint_params,
+        read_per_parameter_state,
+        read_rank_state,
+        saved_layout,
+    )
+    from megahet.policy.reshard_plan import KEYS, Layout, reshard_plan
+    from megahet.runtime.state_move import apply_plan
+
+    out, _, _ = trained
+    for i, (name, tp, pp, split, dp) in enumerate(PLANNED):
+        folder, meta = find_checkpoint(out / name)
+        params = checkpoint_params(folder, meta)
+        old = saved_layout(meta)
+        new = Layout(tp, pp, dp, split, tied=old.tied)
+        plan = reshard_plan(params, old, new)
+        before = {r: read_rank_state(folder, params, old, r, plan.blocks) for r in range(old.world)}
+        got = apply_plan(plan, params, before, dict.fromkeys(KEYS, torch.float32))
+        ref, _, _ = reshard_into(folder, meta, tmp_path / str(i), tp, pp, optimizer=True, stage_layers=split)
+        for r in range(new.world):
+            want = read_per_parameter_state(ref, params, new, r, plan.blocks)
+            assert got[r].keys() == want.keys()
+            for k, tensor in want.items():
+                assert torch.equal(got[r][k], tensor), (name, new, r, k)
+        moved = plan.moved() / sum(t.numel() for s in got.values() for t in s.values())
+        print(
+            f"reshard plan {name} {old} -> {new}: {len(plan.transfers)} transfers, {moved:.2f} of the new state moved"
+        )

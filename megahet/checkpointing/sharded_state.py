@@ -1,0 +1,124 @@
+"""A checkpoint's state as a reshard plan sees it: per rank, flat tensors of the runs it holds.
+
+Role: mechanism (reads DeepSpeed's files into the flat holdings of megahet/policy/reshard_plan.py;
+megahet/runtime/state_move.py moves them).
+
+- `checkpoint_params` lists the model's trained parameters, unsharded, from a saved checkpoint.
+- `read_rank_state` reads one rank's state from a DeepSpeed checkpoint: its model states file (the
+  weights) and its own ZeRO file (the fp32 masters and Adam moments of its fragment: DeepSpeed's
+  `param_slice_mappings` say where each parameter's fragment sits in the flat partition). It checks
+  that DeepSpeed partitioned the parameters as the plan says (`zero_fragments`, in the stage's module
+  order): the plan's frame is only as right as that.
+- `read_per_parameter_state` reads one rank's state from a per-parameter checkpoint (the rank-0
+  reshard's output: megahet_optimizer_mp_rank_MM.pt holds every parameter whole), cut to the rank's
+  ZeRO fragment.
+
+    params = checkpoint_params(folder, meta)
+    layout = saved_layout(meta)
+    state = read_rank_state(folder, params, layout, rank=3, blocks=2)  # {(name, key): flat tensor}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from megahet.checkpointing.checkpoint import optimizer_file
+from megahet.checkpointing.convert import ShardLayout, consolidate
+from megahet.checkpointing.optimizer_state import zero_files
+from megahet.checkpointing.safe_load import load_file
+from megahet.compat import deepspeed_zero as zero
+from megahet.compat.deepspeed_checkpoint import model_states_file
+from megahet.config import ConfigError
+from megahet.policy.reshard_plan import (
+    WEIGHT,
+    Layout,
+    Param,
+    decays,
+    model_params,
+    rank_holdings,
+    stage_params,
+)
+from megahet.policy.stage_split import StageSplit
+
+Flat = dict[tuple[str, str], torch.Tensor]
+
+
+def saved_layout(meta: dict) -> Layout:
+    """The TP x PP x DP and layers per stage a checkpoint's megahet.json records."""
+    saved, model = meta["layout"], meta["model"]
+    layers, pp = model["num_layers"], saved["pp"]
+    split = saved.get("stage_layers") or (layers // pp,) * pp
+    tied = not model.get("untie_embeddings_and_output_weights", False)
+    return Layout(saved["tp"], pp, saved.get("dp", 1), StageSplit(split), tied=tied)
+
+
+def checkpoint_params(folder: Path, meta: dict) -> list[Param]:
+    """The unsharded model's trained parameters (names and shapes, in its order) of a checkpoint."""
+    state, _ = consolidate(folder)
+    params = model_params(((n, t.shape) for n, t in state.items()), gated=ShardLayout.recorded(meta).gated)
+    layout = saved_layout(meta)
+    trained: set[str] = set()
+    for stage in range(layout.pp):
+        names = {local: p.name for local, p in stage_params(params, layout, stage)}
+        shapes = load_file(folder / model_states_file(stage * layout.tp))["param_shapes"]
+        trained |= {names[n] for group in shapes for n in group}
+    return [p for p in params if p.name in trained]
+
+
+def _stage_order(params: Sequence[Param], layout: Layout, stage: int) -> list[list[str]]:
+    """The stage's local parameter names per ZeRO group (decayed, then not), in module order."""
+    named = stage_params(params, layout, stage)
+    return [[n for n, p in named if decays(n, len(p.shape)) == g] for g in (True, False)]
+
+
+def read_rank_state(folder: Path, params: Sequence[Param], layout: Layout, rank: int, blocks: int) -> Flat:
+    """`rank`'s weights and ZeRO fragments from the DeepSpeed checkpoint `folder` saved at `layout`
+    (reads that rank's model states file and its own ZeRO file only)."""
+    d, stage, t = layout.coords(rank)
+    mp = stage * layout.tp + t
+    holding = rank_holdings(params, layout, rank, blocks)
+    states = load_file(folder / model_states_file(mp))
+    order = [list(group) for group in states["param_shapes"]]
+    if order != _stage_order(params, layout, stage):
+        raise ConfigError(
+            f"{folder}: mp_rank_{mp:02d}'s parameters are not in the order the reshard plan assumes "
+            f"(DeepSpeed's groups {order}): the plan cannot address its ZeRO fragments"
+        )
+    name_of = {h.local_name: name for (name, key), h in holding.items() if key == WEIGHT}
+    module = states["module"]
+    out: Flat = {(name, WEIGHT): module[local].reshape(-1) for local, name in name_of.items()}
+    saved = load_file(zero_files(folder, mp)[d])
+    for fp32, adam, mapping in zero.file_partitions(saved):
+        flats = {"fp32": fp32, "exp_avg": adam["exp_avg"], "exp_avg_sq": adam["exp_avg_sq"]}
+        for local, address in mapping.items():
+            name = name_of[local]
+            h = holding[(name, "fp32")]
+            if address.numel != h.hi - h.lo:
+                raise ConfigError(
+                    f"{folder}: DP rank {d} of mp_rank_{mp:02d} holds {address.numel} elements of {local}, the "
+                    f"reshard plan's ZeRO partition gives it {h.hi - h.lo}: DeepSpeed partitioned otherwise"
+                )
+            for key, flat in flats.items():
+                out[(name, key)] = flat.narrow(0, address.start, address.numel)
+    for (name, key), h in holding.items():
+        if (name, key) not in out:  # no fragment of this parameter on this DP rank
+            out[(name, key)] = torch.zeros(0, dtype=torch.float32)
+    return out
+
+
+def read_per_parameter_state(
+    folder: Path, params: Sequence[Param], layout: Layout, rank: int, blocks: int
+) -> Flat:
+    """`rank`'s weights and ZeRO fragments from a per-parameter checkpoint (the rank-0 reshard's)."""
+    _, stage, t = layout.coords(rank)
+    mp = stage * layout.tp + t
+    module = load_file(folder / model_states_file(mp))["module"]
+    optimizer = load_file(folder / optimizer_file(mp))
+    out: Flat = {}
+    for (name, key), h in rank_holdings(params, layout, rank, blocks).items():
+        whole = module[h.local_name] if key == WEIGHT else optimizer[key][h.local_name]
+        out[(name, key)] = whole.reshape(-1)[h.lo : h.hi]
+    return out

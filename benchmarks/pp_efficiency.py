@@ -16,7 +16,7 @@ Per profile x mode: the median step time over the steady slow phase (its second 
 done), T_opt (the twin's median over it), E = T_opt / T, the speed-up over static; for `measured` also E
 over the whole slow phase (the reaction and the re-split's cost included), the split it settled on, the
 reaction (steps from the slowdown, and from the recovery, to the split's change) and what each re-split
-cost (`resplit_s`: save + reshard + rebuild and load). The bounds any whole-layer split allows, against
+cost (`resplit_s`: the state move and the rebuild). The bounds any whole-layer split allows, against
 the twin: `bound_stage`, the twin's stage time over the best split's slowest stage time (layers only:
 the virtual devices slow the transformer layers), and `bound_1f1b`, the same through 1F1B's step time
 sum_s t_s + (M - 1) max_s t_s over M micro-batches.

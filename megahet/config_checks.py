@@ -280,6 +280,7 @@ def _validate_hetero(cfg: MegahetConfig, world_size: int, dp: int) -> None:
         f"{cfg.parallel.pp}: set parallel.pp >= 2 or hetero.pp_split=even",
     )
     _require(h.pp_patience > 0, f"hetero.pp_patience must be positive, got {h.pp_patience}")
+    _require(h.resplit_horizon > 0, f"hetero.resplit_horizon must be positive steps, got {h.resplit_horizon}")
     _require(h.interval > 0 and h.window > 0, "hetero.interval and hetero.window must be positive")
     _require(0 <= h.healthy_gap < 1, f"hetero.healthy_gap must be in [0, 1), got {h.healthy_gap}")
     _require(0 <= h.hysteresis < 1, f"hetero.hysteresis must be in [0, 1), got {h.hysteresis}")

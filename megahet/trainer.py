@@ -107,6 +107,8 @@ class Trainer:
         """Layers per pipeline stage a hook asked for (`request_split`): training stops after the step
         and `pretrain()` re-splits (megahet/runtime/resplit.py)."""
         self.last_saved = -1
+        self.build_s = 0.0
+        """Seconds the stage model and engine took to build (set by megahet.training.build_trainer)."""
         """The step of this trainer's last checkpoint in train.save."""
         self.plan = None
         """The run plan this Trainer executes (megahet/run_plan.py: set by build_trainer)."""

@@ -14,7 +14,7 @@ import dataclasses
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ from megahet.failures import (
 )
 from megahet.logging import TrainingLogger
 from megahet.parallel import ParallelLayout, destroy_parallel, initialize_parallel
-from megahet.platform import cuda_available
+from megahet.platform import cuda_available, device
 from megahet.run_plan import RunPlan, plan_run
 from megahet.runtime.hook_builder import build_step_hooks
 from megahet.runtime.hooks import StepHook
@@ -73,14 +73,19 @@ def build_trainer(
     logger: TrainingLogger | None = None,
     resplits: int = 0,
     extra_hooks: Sequence[StepHook] = (),
+    restore: Callable[[Trainer], tuple[checkpoint.Progress, str]] | None = None,
 ) -> Trainer:
     """Build the task, engine, logger and step hooks of `plan` on the started process groups and load
     `resume` (setup(); a re-split builds again with the new plan's layers per stage, the same logger, its
-    count of re-splits and the caller's `extra_hooks`, which run after megahet's)."""
+    count of re-splits and the caller's `extra_hooks`, which run after megahet's, and `restore`s the
+    state it moved: restore(trainer) -> (progress, what was restored))."""
     cfg = plan.cfg
     layout = dataclasses.replace(layout, stage_layers=plan.split)
+    t_build = time.perf_counter()
     task = spec.build(cfg, layout)
     engine = build_engine(cfg, task.model, layout.dp_size, dict(plan.user_ds))
+    build_s = torch.tensor([time.perf_counter() - t_build], dtype=torch.float64, device=device())
+    dist.all_reduce(build_s, op=dist.ReduceOp.MAX)  # one value on every rank: decisions that use it agree
     logger = logger or TrainingLogger(cfg, layout, run_name=spec.name)
     split = f" (layers {plan.split})" if plan.split.uneven else ""
     logger.print(
@@ -89,10 +94,15 @@ def build_trainer(
         f"{sum(p.numel() for p in task.model.parameters())} parameters on this rank"
     )
     trainer = Trainer(cfg, task, engine, layout, logger)
-    trainer.plan, trainer.extra_hooks = plan, tuple(extra_hooks)
+    trainer.plan, trainer.extra_hooks, trainer.build_s = plan, tuple(extra_hooks), float(build_s)
     build_step_hooks(plan, trainer, resplits, extra_hooks)  # sets trainer.step_hooks, in their order
+    progress = None
     if resume is not None:
         progress, seconds = checkpoint.load(trainer.checkpoint_parts(), resume, resplit=resplits > 0)
+        restored = f"resumed from {resume.path} (step {progress.iteration}) in {seconds:.2f} s"
+    elif restore is not None:
+        progress, restored = restore(trainer)
+    if progress is not None:
         trainer.resume_at(progress)
         position = getattr(task.train_data, "seek", None)
         if position is None:
@@ -101,7 +111,7 @@ def build_trainer(
                 "with megahet.data.sampling.micro_batches or give it seek(iteration=, consumed_samples=)"
             )
         position(iteration=trainer.iteration, consumed_samples=trainer.start_sample)
-        logger.print(f"megahet: resumed from {resume.path} (step {trainer.iteration}) in {seconds:.2f} s")
+        logger.print(f"megahet: {restored}")
     for hook in trainer.step_hooks:  # traces go on from the loaded step (rows before it are kept)
         if getattr(hook, "trace", None) is not None:
             hook.trace.resume_from = trainer.iteration
@@ -110,12 +120,12 @@ def build_trainer(
 
 def train_to_end(trainer: Trainer, spec: TaskSpec) -> tuple[Trainer, list[dict[str, Any]]]:
     """Train `trainer` to train.train_iters; when the pipeline balancer asks for other layers per stage,
-    re-split the stages (checkpoint -> reshard with the optimizer state -> rebuild,
-    megahet/runtime/resplit.py) and go on. Returns the last Trainer and the per-step records."""
+    re-split the stages (the layers that change stage move rank to rank with their optimizer state, then
+    the stages are rebuilt: megahet/runtime/resplit.py) and go on. Returns the last Trainer and the per-step records."""
     logger, layout, extra = trainer.logger, trainer.layout, trainer.extra_hooks
 
-    def rebuild(plan: RunPlan, resume: finder.Resume, resplits: int) -> Trainer:
-        return build_trainer(plan, spec, layout, resume, logger, resplits, extra)
+    def rebuild(plan: RunPlan, restore, resplits: int) -> Trainer:
+        return build_trainer(plan, spec, layout, None, logger, resplits, extra, restore)
 
     history = trainer.train()
     while trainer.pending_split is not None and trainer.iteration < trainer.cfg.train.train_iters:

@@ -322,7 +322,11 @@ class HeteroConfig(_Section):
     (starting from hetero.speeds or parallel.stage_layers), moving layers with their optimizer state."""
     pp_patience: int = 3
     """measured: planning decisions in a row that must ask for the same new split before the stages are
-    re-split (a re-split rebuilds the stages and their optimizer: it must pay off)."""
+    re-split (noise does not move layers)."""
+    resplit_horizon: int = 100
+    """measured: a re-split must pay within this many steps (or the steps left, if fewer): the modeled time
+    it saves per step times them must exceed its cost, measured by the last re-split (before one, the
+    stages' build time at start). The decision is printed."""
 
     @property
     def active(self) -> bool:

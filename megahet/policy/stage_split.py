@@ -195,6 +195,42 @@ def next_split(
     return best if then < now * (1 - hysteresis) else current
 
 
+def layers_moved(old: Sequence[int], new: Sequence[int]) -> int:
+    """Layers that change stage between two splits of the same layers (each counted once)."""
+    bounds_old = list(itertools.accumulate(old))[:-1]
+    bounds_new = list(itertools.accumulate(new))[:-1]
+    moved = set()
+    for a, b in zip(bounds_old, bounds_new, strict=True):
+        moved |= set(range(min(a, b), max(a, b)))
+    return len(moved)
+
+
+def resplit_gain_s(
+    current: Sequence[int],
+    proposal: Sequence[int],
+    layer_s: Sequence[float],
+    extra_s: Sequence[float],
+    microbatches: int,
+) -> float:
+    """Seconds a step saves under `proposal`: a 1F1B step takes (M + P - 1) slowest-stage micro-batch
+    times (M micro-batches, P stages)."""
+    now = max(split_times(current, layer_s, extra_s))
+    then = max(split_times(proposal, layer_s, extra_s))
+    return (microbatches + len(current) - 1) * (now - then)
+
+
+def resplit_pays(gain_s: float, steps: int, cost_s: float) -> bool:
+    """Whether a re-split saving `gain_s` a step over `steps` steps (the horizon, or the steps left if
+    fewer) pays its `cost_s`."""
+    return gain_s > 0 and gain_s * steps > cost_s
+
+
+def predicted_resplit_cost(build_s: float, transfer_s_per_layer: float, layers: int) -> float:
+    """A re-split's cost: the stages' rebuild (it does not grow with what moves) plus the transfer of the
+    `layers` that change stage, at the last re-split's measured seconds per layer."""
+    return build_s + transfer_s_per_layer * layers
+
+
 def declared_stage_times(
     stage_speeds: Sequence[float], extra_layers: Sequence[float]
 ) -> tuple[list[float], list[float]]:

@@ -73,7 +73,9 @@ def build_step_hooks(
     coords = _rank_coords(trainer) if (h.speeds or h.active or h.pp_active) else None
     pp_balancer = dp_balancer = balancer = resizer = device = packing = None
     if pipeline:
-        pp_balancer = PipelineBalancer(cfg, layout, plan.split, trainer, coords, resplits)
+        pp_balancer = PipelineBalancer(
+            cfg, layout, plan.split, trainer, coords, resplits, trainer.logger.print
+        )
     if h.active:  # declared shares are measured and reported too, but never re-planned
         dp_balancer = DataParallelBalancer(cfg, layout, trainer, coords, packed=trainer.task.packed)
     if cfg.resize.active or cfg.balance.active:

@@ -43,6 +43,9 @@ class StepContext(Protocol):
     """Micro-batches of every global batch per data-parallel replica."""
     step_plan: Any
     """Packed documents: the current global batch's plan (megahet/data/packed.py StepPlan), else None."""
+    build_s: float
+    """Seconds this Trainer's stage model and engine took to build (a re-split's fixed part, until one is
+    measured)."""
 
     def set_shares(self, shares: tuple[int, ...]) -> None:
         """Ask for these data-parallel shares from the next step on."""
@@ -106,6 +109,10 @@ class StepHook:
         """Take the `state_dict()` of the replaced Trainer's hook of this type (a re-split rebuilt the
         stages; only `split_free` hooks are carried)."""
         self.load_state_dict(state)
+
+    def resplit_done(self, cost) -> None:
+        """A re-split rebuilt the stages and this hook with them; `cost` is what it measured
+        (megahet/runtime/resplit.py ResplitCost)."""
 
 
 class MeasuringHook(StepHook):

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import collections
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -40,7 +40,15 @@ import torch
 from megahet.config import MegahetConfig
 from megahet.parallel import ParallelLayout
 from megahet.policy.dp_shares import RankCoords
-from megahet.policy.stage_split import measured_stage_times, next_split
+from megahet.policy.stage_split import (
+    format_split,
+    layers_moved,
+    measured_stage_times,
+    next_split,
+    predicted_resplit_cost,
+    resplit_gain_s,
+    resplit_pays,
+)
 from megahet.runtime.hooks import MeasuringHook, StepContext
 from megahet.runtime.trace_writer import TraceWriter, trace_path
 
@@ -54,8 +62,10 @@ class PipelineBalancer(MeasuringHook):
         ctx: StepContext,
         coords: Sequence[RankCoords],
         resplits: int = 0,
+        say: Callable[[str], None] = print,
     ):
-        self.cfg, self.layout, self.ctx = cfg.hetero, layout, ctx
+        self.cfg, self.layout, self.ctx, self.say = cfg.hetero, layout, ctx, say
+        self.train_iters = cfg.train.train_iters
         self.split = tuple(split)
         """The layers per stage the model runs (this balancer's measurements are in its units)."""
         self.coords = list(coords)
@@ -70,6 +80,11 @@ class PipelineBalancer(MeasuringHook):
         self.streak = 0
         """Decisions in a row that asked for `proposal`."""
         self.requested: tuple[int, ...] | None = None
+        self.last_cost = None
+        """The last re-split's measured cost (megahet/runtime/resplit.py ResplitCost), None before one."""
+        self.refused: tuple[int, ...] | None = None
+        """The last split refused because it would not pay (its refusal is printed once)."""
+        self.decision: dict[str, float] = {}
         self.trace = (
             TraceWriter(trace_path(cfg.balance.trace, "pp"))
             if cfg.balance.trace and layout.rank == 0
@@ -125,7 +140,7 @@ class PipelineBalancer(MeasuringHook):
                 layer.append(layers_s / (self.split[stage] * micro))
                 extra.append((max(compute_s - layers_s, 0.0) + optimizer_s) / micro)
         if self.measured and self.requested is None and (step + 1) % self.cfg.interval == 0 and self.ready:
-            self._plan()
+            self._plan(step)
         if self.trace is not None:
             times = self.stage_times()
             self.trace.write(
@@ -140,7 +155,7 @@ class PipelineBalancer(MeasuringHook):
                 }
             )
 
-    def _plan(self) -> None:
+    def _plan(self, step: int) -> None:
         layer_s, extra_s = self.stage_times(self.cfg.healthy_gap)
         proposal = next_split(self.split, layer_s, extra_s, self.cfg.hysteresis)
         if proposal == self.split:
@@ -148,13 +163,44 @@ class PipelineBalancer(MeasuringHook):
             return
         self.streak = self.streak + 1 if proposal == self.proposal else 1
         self.proposal = proposal
-        if self.streak >= self.cfg.pp_patience:
+        if self.streak >= self.cfg.pp_patience and self._pays(proposal, layer_s, extra_s, step):
             self.requested = proposal
             self.ctx.request_split(proposal)
 
+    def _pays(self, proposal: tuple[int, ...], layer_s, extra_s, step: int) -> bool:
+        """Whether re-splitting to `proposal` saves more over the horizon (or the steps left) than it
+        costs; printed when it re-splits, and once per split it refuses. Every input is the same on
+        every rank (gathered times, shares, the cost's max over ranks), so every rank decides alike."""
+        microbatches = max(self.ctx.shares)  # the busiest replica's (the same number on every rank)
+        gain = resplit_gain_s(self.split, proposal, layer_s, extra_s, microbatches)
+        steps = min(self.cfg.resplit_horizon, self.train_iters - step - 1)
+        layers = layers_moved(self.split, proposal)
+        last = self.last_cost
+        if last is not None:
+            per_layer = last.transfer_s / max(last.layers_moved, 1)
+            cost = predicted_resplit_cost(last.build_s, per_layer, layers)
+            source = "measured by the last re-split"
+        else:
+            cost = predicted_resplit_cost(self.ctx.build_s, 0.0, layers)
+            source = "the stages' build time at start"
+        pays = resplit_pays(gain, steps, cost)
+        self.decision = {"resplit_gain_s": gain, "resplit_cost_s": cost}
+        if pays or proposal != self.refused:
+            verdict = "re-splitting" if pays else f"keeping {format_split(self.split)}"
+            self.say(
+                f"megahet: pipeline re-split {format_split(self.split)} -> {format_split(proposal)} saves "
+                f"{gain:.3f} s a step (modeled) x {steps} steps = {gain * steps:.2f} s, "
+                f"{'more' if pays else 'no more'} than its cost {cost:.2f} s ({source}): {verdict}"
+            )
+        self.refused = None if pays else proposal
+        return pays
+
+    def resplit_done(self, cost) -> None:
+        self.last_cost = cost
+
     def metrics(self) -> dict[str, float]:
         self._collect()
-        return {"pp_resplits": float(self.resplits)}
+        return {"pp_resplits": float(self.resplits), **self.decision}
 
     def report(self) -> dict[str, float]:
         """Per stage: measured speed per layer and layers (the same on every rank)."""

@@ -1,55 +1,75 @@
-"""Re-split the pipeline stages at run time without losing state: checkpoint -> reshard -> rebuild.
+"""Re-split the pipeline stages at run time: only the layers that change stage move, rank to rank.
 
 Role: runtime (executes the pipeline balancer's request, megahet/runtime/pp_balancer.py; `pretrain()`
 calls it between two steps, in the same processes and process groups).
 
-1. Every rank saves the step (`checkpoint.save`: weights, ZeRO optimizer shards, LR schedule, data
-   position) into train.save, or into <logging.log_dir>/resplit when the run saves nothing (not again
-   when the Trainer has just saved this step).
-2. Global rank 0 reshards it to the new layers per stage, with the optimizer state per parameter (fp32
-   masters, Adam moments and step: `elastic.reshard_checkpoint` -> `convert.reshard_into`), and
-   publishes it beside the saved one, which is kept (in <log_dir>/resplit only the newest is kept).
+1. Every rank lists the model's parameters (names, unsharded shapes) from the live stages (one
+   all-gather of names and shapes) and computes the same reshard plan (megahet/policy/reshard_plan.py)
+   from the old split to the new: for every rank, which runs of which tensors it needs (weights, fp32
+   masters, Adam moments: ZeRO fragments included) and which old rank holds them.
+2. `exchange` (megahet/runtime/state_move.py) moves them over the world's process group, one message
+   per peer and dtype, on the device the state lives on: the layers that change stage, with their
+   optimizer state, and the ZeRO fragments whose DP owner changes because a stage's flat partition
+   grew or shrank. Nothing is written to disk, and no rank gathers the model.
 3. The old engine and stage modules are freed; every rank builds its stage for the new split and a new
-   DeepSpeed engine, and loads the resharded checkpoint.
-4. What a checkpoint does not carry to another layout crosses in memory: the RNG streams (same rank,
-   same streams) and the state of step hooks whose state does not depend on the split (`split_free`:
-   the data-parallel shares, the TP balancer's speed samples and per-rank work fractions, which the new
-   stage's blocks are planned from at the next step).
+   DeepSpeed engine, and writes the state it now holds into it (`load_engine_state`), with Adam's step,
+   the learning rates, the LR schedule and the engine's step count.
+4. What is not per-parameter crosses in memory as before: the RNG streams (same rank, same streams) and
+   the state of step hooks whose state does not depend on the split (`split_free`: the data-parallel
+   shares, the TP balancer's speed samples and per-rank work fractions).
 
-Why a checkpoint cycle rather than moving layers between live engines: it reuses the one lossless path
-(reshard with the optimizer state) that elastic restarts and `tools/convert_checkpoint.py reshard`
-already use and test, for every ZeRO stage, TP degree and split, with nothing of DeepSpeed's internals
-touched; and a re-split is rare (hysteresis and `hetero.pp_patience`). It costs a save, one merge on
-rank 0 and a rebuild: it grows with the model (on rank 0's host memory), so it is logged (`resplit_s`).
+A kill during a move loses nothing: no checkpoint is written or changed, and the job resumes from its
+last complete one. The move's cost is measured in two parts and logged (`resplit_s`,
+`resplit_transfer_s`: the plan and the exchange; `resplit_build_s`: freeing, rebuilding and loading),
+with the bytes moved (`resplit_bytes`); the pipeline balancer weighs the next re-split against it.
 
-    trainer = resplit(trainer, rebuild)     # rebuild(plan, resume, resplits) -> Trainer
+    trainer = resplit(trainer, rebuild)     # rebuild(plan, restore, resplits) -> Trainer
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
-import shutil
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from megahet.checkpointing import checkpoint, finder
-from megahet.checkpointing.elastic import reshard_checkpoint
-from megahet.config import MegahetConfig
-from megahet.platform import cuda_available
+from megahet.checkpointing import checkpoint
+from megahet.compat import deepspeed_zero as zero
+from megahet.platform import cuda_available, device
+from megahet.policy.reshard_plan import (
+    KEYS,
+    LAYER_NAME,
+    TIED_COPY,
+    WEIGHT,
+    WORD_EMBEDDING,
+    Layout,
+    Param,
+    model_params,
+    partition_dim,
+    rank_holdings,
+    reshard_plan,
+)
+from megahet.policy.stage_split import layers_moved
 from megahet.run_plan import RunPlan
+from megahet.runtime.state_move import engine_state, exchange, load_engine_state
 
-RESPLIT_DIR = "resplit"
 
+@dataclasses.dataclass(frozen=True)
+class ResplitCost:
+    """A measured re-split: its transfer part (plan + exchange), its fixed part (free, rebuild, load) and
+    the bytes it moved (what the pipeline balancer's next decision weighs)."""
 
-def resplit_root(cfg: MegahetConfig) -> Path:
-    """Where a re-split's checkpoints go: train.save, else <logging.log_dir>/resplit."""
-    if cfg.train.save:
-        return Path(cfg.train.save).expanduser()
-    return Path(cfg.logging.log_dir).expanduser() / RESPLIT_DIR
+    transfer_s: float
+    build_s: float
+    bytes_moved: int
+    layers_moved: int
+
+    @property
+    def total_s(self) -> float:
+        return self.transfer_s + self.build_s
 
 
 def _free(trainer) -> None:
@@ -62,52 +82,96 @@ def _free(trainer) -> None:
         torch.cuda.empty_cache()
 
 
-def _prune(root: Path, keep: Path) -> None:
-    """Delete the re-split checkpoints in <log_dir>/resplit but `keep` (the newest, the one loaded)."""
-    for old in root.glob("iter_*"):
-        if old.is_dir() and old != keep:
-            shutil.rmtree(old, ignore_errors=True)
+def live_params(model: torch.nn.Module, layout, split, gated: bool, tied: bool) -> list[Param]:
+    """The unsharded model's trained parameters, in its order, from every rank's live stage (an
+    all-gather of (stage, TP rank, local names and shapes); all ranks call it). `tied`: the last
+    stage's `output_layer.weight` is a copy of the word embedding, not a parameter of its own."""
+    mine = (layout.pp_rank, layout.tp_rank, [(n, tuple(p.shape)) for n, p in model.named_parameters()])
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine if layout.dp_rank == 0 else None)
+    by_stage = {stage: named for stage, tp_rank, named in filter(None, gathered) if tp_rank == 0}
+    shapes: dict[str, tuple[int, ...]] = {}
+    first = 0
+    for stage in range(layout.pp_size):
+        for local, shape in by_stage[stage]:
+            if tied and local == TIED_COPY and stage > 0 and WORD_EMBEDDING in shapes:
+                continue  # the last stage's tied copy of the word embedding
+            match = LAYER_NAME.match(local)
+            name = f"decoder.layers.{first + int(match.group(1))}.{match.group(2)}" if match else local
+            dim = partition_dim(name)
+            shapes[name] = tuple(s * layout.tp_size if i == dim else s for i, s in enumerate(shape))
+        first += split[stage]
+    return model_params(shapes.items(), gated=gated)
 
 
-def resplit(trainer, rebuild: Callable[[RunPlan, finder.Resume, int], object]):
+def resplit(trainer, rebuild: Callable[[RunPlan, Callable, int], object]):
     """Re-split `trainer`'s stages to `trainer.pending_split` (all ranks call it after the same step);
     returns the Trainer for the new split (`rebuild`: from the new plan), at the same step, to train on."""
-    plan, layout, logger = trainer.plan, trainer.layout, trainer.logger
+    plan, layout, logger, engine = trainer.plan, trainer.layout, trainer.logger, trainer.engine
     cfg, old_split, step = plan.cfg, plan.split, trainer.iteration
     new_plan = plan.with_split(trainer.pending_split)
     t0 = time.perf_counter()
-    root = resplit_root(cfg)
-    if trainer.last_saved != step:
-        checkpoint.save(trainer.checkpoint_parts(), trainer.progress(), root)
-    t_saved = time.perf_counter()
+    model = engine.module
+    m = cfg.model
+    tied = not m.untie_embeddings_and_output_weights
+    params = live_params(model, layout, old_split, gated=m.activation == "swiglu", tied=tied)
+    old = Layout(layout.tp_size, layout.pp_size, layout.dp_size, tuple(old_split), tied=tied)
+    new = dataclasses.replace(old, split=tuple(new_plan.split))
+    moves = reshard_plan(params, old, new)
+    before = rank_holdings(params, old, layout.rank, moves.blocks)
+    after = rank_holdings(params, new, layout.rank, moves.blocks)
+    weight = next(model.parameters())
+    dtypes = {key: weight.dtype if key == WEIGHT else torch.float32 for key in KEYS}
+    inner = engine.optimizer.optimizer
+    adam = (zero.adam_step(engine.optimizer), [g["lr"] for g in inner.param_groups])
+    schedule = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+    global_steps, progress = engine.global_steps, trainer.progress()
+    state = exchange(moves, layout.rank, before, after, engine_state(engine, before), dtypes, weight.device)
+    t_moved = time.perf_counter()
     rng = checkpoint.rng_states()
     carried = {type(h).__name__: h.state_dict() for h in trainer.step_hooks if h.split_free}
     resplits = 1 + max((getattr(h, "resplits", 0) for h in trainer.step_hooks), default=0)
     for hook in trainer.step_hooks:
         hook.close(final=False)
-    resume = finder.find_resume_in(root)  # the step just saved
     _free(trainer)
-    resume = reshard_checkpoint(cfg, resume, layout.rank, new_plan.split, root)
-    t_resharded = time.perf_counter()
-    new = rebuild(new_plan, resume, resplits)
+
+    def restore(new_trainer) -> tuple[checkpoint.Progress, str]:
+        e = new_trainer.engine
+        load_engine_state(e, after, state, *adam)
+        if schedule is not None and e.lr_scheduler is not None:
+            e.lr_scheduler.load_state_dict(schedule)
+        e.global_steps = global_steps
+        return progress, (
+            f"moved the layers of stages {old_split} -> {new_plan.split} with their optimizer state "
+            f"(step {progress.iteration}); RNG streams and the balancers' state carry over"
+        )
+
+    new_trainer = rebuild(new_plan, restore, resplits)
     checkpoint.set_rng_states(rng)
-    for hook in new.step_hooks:
+    for hook in new_trainer.step_hooks:
         if hook.split_free and type(hook).__name__ in carried:
             hook.carry(carried[type(hook).__name__])
-    dist.barrier()  # every rank has loaded: the checkpoints it came from may go
-    if not cfg.train.save and layout.rank == 0:
-        _prune(root, resume.path)
-    done = time.perf_counter()
-    costs = {
-        "resplit_s": done - t0,
-        "resplit_save_s": t_saved - t0,
-        "resplit_reshard_s": t_resharded - t_saved,
-        "resplit_build_s": done - t_resharded,
-    }
+    # Every rank weighs the next re-split against the same cost (the slowest rank's): ranks that decided
+    # differently would wait for each other in the move forever.
+    parts = torch.tensor([t_moved - t0, time.perf_counter() - t_moved], dtype=torch.float64, device=device())
+    dist.all_reduce(parts, op=dist.ReduceOp.MAX)
+    itemsize = {key: dtypes[key].itemsize for key in KEYS}
+    moved = layers_moved(old_split, new_plan.split)
+    cost = ResplitCost(float(parts[0]), float(parts[1]), moves.bytes_moved(itemsize), moved)
+    for hook in new_trainer.step_hooks:
+        hook.resplit_done(cost)
     logger.print(
-        f"megahet: re-split the pipeline stages {old_split} -> {new_plan.split} after step "
-        f"{step} in {costs['resplit_s']:.2f} s (save {costs['resplit_save_s']:.2f} s, reshard with the "
-        f"optimizer state {costs['resplit_reshard_s']:.2f} s, rebuild and load {costs['resplit_build_s']:.2f} s)"
+        f"megahet: re-split the pipeline stages {old_split} -> {new_plan.split} after step {step} in "
+        f"{cost.total_s:.2f} s: moved {cost.bytes_moved / 2**20:.1f} MiB of weights and optimizer state rank "
+        f"to rank in {cost.transfer_s:.2f} s ({len(moves.tensors_moved())} tensors), rebuilt the stages and "
+        f"loaded it in {cost.build_s:.2f} s"
     )
-    logger.log(step, {**costs, "pp_resplits": float(resplits)}, console=False)
-    return new
+    metrics = {
+        "resplit_s": cost.total_s,
+        "resplit_transfer_s": cost.transfer_s,
+        "resplit_build_s": cost.build_s,
+        "resplit_bytes": float(cost.bytes_moved),
+        "pp_resplits": float(resplits),
+    }
+    logger.log(step, metrics, console=False)
+    return new_trainer

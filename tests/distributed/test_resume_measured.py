@@ -5,7 +5,9 @@ pretrain() does), each uninterrupted and killed-and-resumed, like test_resume_ba
 - `dp`: DP=4 with `hetero.dp_shares measured`; a virtual device makes replica 3 four times slower from
   step SLOW_FROM on, after the step-4 checkpoint: its share falls during the resumed part;
 - `pp`: PP=2 x DP=2, 8 layers, `hetero.pp_split measured`; stage 1 (ranks 2 and 3) becomes four times
-  slower from SLOW_FROM: the stages are re-split (checkpoint -> reshard -> rebuild) after step 4.
+  slower from SLOW_FROM: the stages are re-split (the layers move rank to rank) after step 4;
+- `pp_move`: the same run, killed in the middle of its first re-split's state move (nothing of the move
+  is on disk): it resumes from its step-4 checkpoint and re-splits again.
 `ck_<job>` starts from a copy of full_<job>'s step-4 checkpoint (the balancer's samples, the shares or
 split, RNG), one of its ranks SIGKILLs itself in the middle of step KILL_STEP, torchrun restarts every
 rank and the run resumes from its own latest checkpoint. Its per-step loss, gradient norm and LR, its
@@ -49,7 +51,13 @@ JOBS = {
     "pp": f"--parallel.pp 2 --model.num_layers 8 --hetero.pp_split measured --hetero.window 1 "
     f"--hetero.pp_patience 2 --hetero.healthy_gap 0.2 --device.profile schedule:0=1,1,1,1;{SLOW_FROM}=1,1,0.25,0.25",
 }
-PLAN_KEYS = {"dp": ("share_dp0", "share_dp1", "share_dp2", "share_dp3"), "pp": ("layers_pp0", "layers_pp1")}
+JOBS["pp_move"] = JOBS["pp"]  # killed in the middle of its first re-split's state move
+KILL_AT = {"dp": str(KILL_STEP), "pp": str(KILL_STEP), "pp_move": "move"}
+PLAN_KEYS = {
+    "dp": ("share_dp0", "share_dp1", "share_dp2", "share_dp3"),
+    "pp": ("layers_pp0", "layers_pp1"),
+    "pp_move": ("layers_pp0", "layers_pp1"),
+}
 
 
 def _job(name: str, job: str, out: Path, load: bool = False) -> list[str]:
@@ -66,19 +74,23 @@ def runs(tmp_path_factory: pytest.TempPathFactory, gpt_data: list[str]) -> tuple
     def job(name: str, variant: str, load: bool) -> list[str]:
         return _job(name, variant, out, load=load)
 
-    output = full_and_killed_runs(out, JOBS, job, common, killed_rank=lambda k: k + 1)
+    output = full_and_killed_runs(out, JOBS, job, common, killed_rank=lambda k: k + 1, kill_at=KILL_AT.get)
     return out, output
 
 
 def test_every_fault_was_a_real_kill_and_restart(runs) -> None:
-    """Each killed run logged step KILL_STEP - 1 twice: once before the kill, once after resuming
-    from its step-8 checkpoint in the restarted processes."""
+    """Each killed run logged a step twice: step KILL_STEP - 1 once before the kill and once after
+    resuming from its step-8 checkpoint in the restarted processes; `pp_move` the step after which its
+    stages re-split (killed in the move), once before and once after resuming from its step-4 one."""
     out, output = runs
     assert output.count("-9") >= len(JOBS), output[-4000:]  # torchrun saw each rank die of SIGKILL
     for job in JOBS:
         lines = (out / f"ck_{job}.jsonl").read_text().splitlines()
-        again = [line for line in lines if f'"step": {KILL_STEP - 1},' in line and '"loss"' in line]
-        assert len(again) == 2, f"{job}: step {KILL_STEP - 1} not run twice"
+        twice = KILL_STEP - 1
+        if job == "pp_move":
+            twice = min(s for s, r in read_records(out / f"full_{job}.jsonl").items() if "resplit_s" in r)
+        again = [line for line in lines if f'"step": {twice},' in line and '"loss"' in line]
+        assert len(again) == 2, f"{job}: step {twice} not run twice"
 
 
 @pytest.mark.parametrize("job", JOBS)

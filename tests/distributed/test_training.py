@@ -239,8 +239,8 @@ def test_uneven_stages_match_dp1(reference8: dict, gpt_data: list[str], tmp_path
 # real run's) makes one rank of stage 1 four times slower over steps SLOW_FROM..SLOW_UNTIL-1. With one
 # sample per decision (hetero.window 1) and pp_patience 2, the balancer asks for 7,1 (stage 1's one
 # layer takes 4, stage 0's seven take 7: the best any split reaches; 6,2 is within 15 %) within 4 steps;
-# that step runs, the stages are re-split (checkpoint -> reshard with the optimizer state -> rebuild) and
-# training goes on. Two steps after the recovery it asks for 4,4 again. healthy_gap 0.2: calm stages
+# that step runs, the stages are re-split (the layers that change stage move rank to rank with their
+# optimizer state, megahet/runtime/resplit.py) and training goes on. Two steps after the recovery it asks for 4,4 again. healthy_gap 0.2: calm stages
 # measure within a few percent, and noise must move no layer.
 SLOW_FROM, SLOW_UNTIL = 2, 6
 RESPLIT = (
@@ -296,8 +296,7 @@ def test_resplit_at_run_time_keeps_the_loss_curve(reference8: dict, gpt_data: li
     assert all(splits[s] == (4, 4) for s in range(moved)), splits
     assert (tmp_path / "pp2dp2_pp.png").is_file()
     assert runs["pp2dp2"]["stage_layers"] == {0: 4, 1: 4}
-    resplit = sorted((tmp_path / "pp2dp2" / "resplit").glob("iter_*"))  # the newest kept, the rest pruned
-    assert len(resplit) == 1 and json.loads((resplit[0] / "megahet.json").read_text())["iteration"] == back
+    assert not (tmp_path / "pp2dp2" / "resplit").exists()  # the layers moved rank to rank: nothing on disk
 
     check_run(
         "re-split vs dp1", "tp2 x pp2 migrate re-split", runs["tp2pp2"], reference8, replicas=1, loaded=True

@@ -31,7 +31,9 @@ class _Done:
         pass
 
 
-def _balancer(*args: str, split=(4, 4), trace: Path | None = None) -> tuple[PipelineBalancer, list]:
+def _balancer(
+    *args: str, split=(4, 4), trace: Path | None = None, build_s: float = 0.0, said: list | None = None
+) -> tuple[PipelineBalancer, list]:
     argv = ["--parallel.pp", "2", "--model.num_layers", str(sum(split)), "--hetero.pp_split", "measured"]
     argv += ["--hetero.window", "1", "--hetero.pp_patience", "2", *args]
     if trace is not None:
@@ -41,9 +43,10 @@ def _balancer(*args: str, split=(4, 4), trace: Path | None = None) -> tuple[Pipe
     layout = types.SimpleNamespace(rank=0)
     ctx = types.SimpleNamespace(  # measurements are fed by _feed
         times=StepTimes(0.0, 0.0, 0.0), step_t0=time.perf_counter(), num_microbatches=2,
-        request_split=requests.append,
+        request_split=requests.append, build_s=build_s, shares=(2, 2),
     )  # fmt: skip
-    return PipelineBalancer(cfg, layout, split, ctx, COORDS), requests
+    say = said.append if said is not None else print
+    return PipelineBalancer(cfg, layout, split, ctx, COORDS, say=say), requests
 
 
 def _feed(balancer: PipelineBalancer, step: int, layer_s: list[float], extra_s: float = 0.0) -> None:
@@ -67,6 +70,43 @@ def test_a_slow_stage_gives_up_layers_after_patience_decisions():
     _feed(balancer, 2, [1.0, 2.0])
     assert requests == [(5, 3)] and balancer.requested == (5, 3)
     _feed(balancer, 3, [1.0, 2.0])  # asked once: the runtime re-splits after this step
+    assert requests == [(5, 3)]
+
+
+def test_a_resplit_must_pay_its_cost_within_the_horizon():
+    """5,3 saves (2 + 2 - 1) x (8 - 6) = 6 s a step against 4,4 (stage 1 twice as slow per layer). Against
+    the build time at start (100 s), it pays over 20 steps (120 s), not over 10; the refusal is printed
+    once. After a re-split, the cost is the one it measured: its rebuild plus its transfer per layer."""
+    said: list[str] = []
+    balancer, requests = _balancer("--hetero.resplit_horizon", "10", build_s=100.0, said=said)
+    for step in range(4):
+        _feed(balancer, step, [1.0, 2.0])
+    assert requests == [] and balancer.refused == (5, 3)
+    assert len(said) == 1 and "4,4 -> 5,3 saves 6.000 s a step" in said[0] and "keeping 4,4" in said[0], said
+    assert "build time at start" in said[0]
+    assert balancer.metrics()["resplit_cost_s"] == 100.0
+    balancer, requests = _balancer("--hetero.resplit_horizon", "20", build_s=100.0, said=said)
+    _feed(balancer, 0, [1.0, 2.0])
+    _feed(balancer, 1, [1.0, 2.0])
+    assert requests == [(5, 3)] and "re-splitting" in said[-1]
+    # measured: rebuild 30 s, transfer 20 s for 2 layers -> 5,3 (one layer) costs 40 s: pays over 10 steps
+    balancer, requests = _balancer("--hetero.resplit_horizon", "10", build_s=100.0, said=said)
+    balancer.resplit_done(types.SimpleNamespace(build_s=30.0, transfer_s=20.0, layers_moved=2))
+    _feed(balancer, 0, [1.0, 2.0])
+    _feed(balancer, 1, [1.0, 2.0])
+    assert requests == [(5, 3)] and "cost 40.00 s (measured by the last re-split)" in said[-1]
+
+
+def test_a_resplit_near_the_end_of_training_does_not_pay():
+    """5,3 saves 6 s a step; after step 1 two steps are left (12 s), after step 2 one (6 s): neither pays
+    a 20 s re-split, which a 100-step run would make at once."""
+    balancer, requests = _balancer("--train.train_iters", "4", build_s=20.0, said=[])
+    for step in range(3):
+        _feed(balancer, step, [1.0, 2.0])
+    assert requests == [] and balancer.refused == (5, 3)
+    balancer, requests = _balancer("--train.train_iters", "100", build_s=20.0, said=[])
+    for step in range(3):
+        _feed(balancer, step, [1.0, 2.0])
     assert requests == [(5, 3)]
 
 

@@ -271,3 +271,18 @@ def test_layer_flops_count_grouped_query_attention_and_swiglu() -> None:
     )
     lm = model_extra_layers(h, f, s, 8192, pp=2, heads=8, query_groups=2, gated=True)
     assert lm[-1] == 2 * h * 8192 / transformer_layer_flops(h, f, s, heads=8, query_groups=2, gated=True)
+
+
+def test_layers_moved_gain_and_pay():
+    from megahet.policy.stage_split import layers_moved, predicted_resplit_cost, resplit_gain_s, resplit_pays
+
+    assert layers_moved((4, 4), (5, 3)) == 1
+    assert layers_moved((4, 4), (2, 6)) == 2
+    assert layers_moved((2, 2, 4), (3, 3, 2)) == 3  # layer 2 to stage 0, layers 4, 5 to stage 1
+    assert layers_moved((3, 3), (3, 3)) == 0
+    # 1F1B with 4 micro-batches on 2 stages: 5 slowest-stage times a step; 4,4 -> 5,3 at [1, 2] s per layer
+    assert resplit_gain_s((4, 4), (5, 3), [1.0, 2.0], [0.0, 0.0], 4) == 5 * (8 - 6)
+    assert (
+        resplit_pays(1.0, 10, 9.0) and not resplit_pays(1.0, 10, 10.0) and not resplit_pays(-1.0, 10, -20.0)
+    )
+    assert predicted_resplit_cost(2.0, 0.5, 3) == 3.5

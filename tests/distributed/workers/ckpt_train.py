@@ -6,8 +6,9 @@
 Each run is `setup(cfg, pretrain_gpt.SPEC, extra_hooks)` then `train_to_end`, as `pretrain()` does
 (re-splitting the stages when the pipeline balancer asks). With
 --slow S every step sleeps S seconds after the optimizer step (a stateless step hook), so that a test
-can SIGKILL the launch between two checkpoints. With --fault NAME:STEP:RANK (one per torchrun restart
-k: the k-th applies in attempt k) that rank SIGKILLs itself in the middle of STEP of run NAME. After each run every rank saves its model's tensors
+can SIGKILL the launch between two checkpoints. With --fault NAME:WHEN:RANK (one per torchrun restart
+k: the k-th applies in attempt k) that rank SIGKILLs itself in the middle of step WHEN of run NAME, or,
+with WHEN "move", when the first re-split's state move starts (megahet/runtime/resplit.py). After each run every rank saves its model's tensors
 (local names, after loading and training) as DIR/<run>_rank<R>.pt and {"iteration", "start"} with it.
 """
 
@@ -27,6 +28,7 @@ from megatron.core import parallel_state as ps
 
 import pretrain_gpt
 from megahet.config import load_config
+from megahet.runtime import resplit
 from megahet.runtime.hooks import StepHook
 from megahet.training import setup, train_to_end
 
@@ -56,23 +58,35 @@ class Sleep(StepHook):
         time.sleep(self.seconds)
 
 
-def fault_now(faults: list[str], name: str) -> int | None:
-    """The step at which this rank dies in run `name`: the fault of this torchrun attempt (the k-th
-    --fault NAME:STEP:RANK for restart k), if it is this run's and this rank's."""
+def fault_now(faults: list[str], name: str) -> str | None:
+    """When this rank dies in run `name` (a step, or "move"): the fault of this torchrun attempt (the k-th
+    --fault NAME:WHEN:RANK for restart k), if it is this run's and this rank's."""
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if attempt >= len(faults):
         return None
-    job, step, rank = faults[attempt].split(":")
-    return int(step) if job == name and int(rank) == int(os.environ["RANK"]) else None
+    job, when, rank = faults[attempt].split(":")
+    return when if job == name and int(rank) == int(os.environ["RANK"]) else None
+
+
+def die_in_the_move() -> None:
+    """SIGKILL this rank when a re-split's state move starts, while its peers are in theirs: it never
+    sends what they wait for, nor receives what they send."""
+
+    def exchange(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    resplit.exchange = exchange
 
 
 def run(name: str, argv: list[str], out: Path, slow: float, faults: list[str] = ()) -> None:
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     hooks = [Sleep(slow)] if slow else []
-    kill_step = fault_now(list(faults), name)
-    if kill_step is not None:
-        hooks.append(KillAt(kill_step))
+    kill = fault_now(list(faults), name)
+    if kill == "move":
+        die_in_the_move()
+    elif kill is not None:
+        hooks.append(KillAt(int(kill)))
     trainer = setup(load_config(argv), pretrain_gpt.SPEC, extra_hooks=hooks)
     start = trainer.iteration
     trainer, _ = train_to_end(trainer, pretrain_gpt.SPEC)  # re-splits the stages when asked, as pretrain()

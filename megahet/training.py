@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megahet.checkpointing import checkpoint, finder
-from megahet.checkpointing.elastic import reshard_checkpoint
+from megahet.checkpointing.elastic import read_resharded, reshard_checkpoint
 from megahet.config import ConfigError, HelpRequested, MegahetConfig, config_help, load_config
 from megahet.engine import build_engine
 from megahet.failures import (
@@ -56,13 +56,17 @@ def setup(cfg: MegahetConfig, spec: TaskSpec, extra_hooks: Sequence[StepHook] = 
             print(f"megahet: {note}", flush=True)
     layout = initialize_parallel(plan.tp, plan.pp, cfg.train.seed, cfg.parallel.distributed_timeout_minutes)
     record_peers()
-    resume = plan.resume
-    if plan.reshard:
-        resume = reshard_checkpoint(cfg, resume, layout.rank, plan.split)
+    resume, restore = plan.resume, None
+    if plan.reshard:  # every rank reads its own slices; else rank 0 reshards the whole checkpoint
+        resumed = read_resharded(cfg, resume, layout, plan.split)
+        if resumed is not None:
+            resume, restore = None, resumed.restore
+        else:
+            resume = reshard_checkpoint(cfg, resume, layout.rank, plan.split)
     if layout.rank == 0:
         spec.prepare(cfg)
     dist.barrier()
-    return build_trainer(plan, spec, layout, resume, extra_hooks=extra_hooks)
+    return build_trainer(plan, spec, layout, resume, extra_hooks=extra_hooks, restore=restore)
 
 
 def build_trainer(

@@ -9,29 +9,67 @@ or with another --parallel.tp / --parallel.pp resumes from its last checkpoint w
    largest TP' x PP' (TP' <= TP, PP' <= PP) that passes every check of the configuration at this
    world size (TP' divides the heads and the MLP, PP' the layers, DP' the global batch), preferring
    the larger TP' on a tie (TP groups sit inside a node, so a lost node costs pipeline stages first).
-2. `reshard_checkpoint` (after the process groups start): rank 0 merges the saved TP x PP x DP shards,
-   weights and ZeRO optimizer state (fp32 masters, Adam moments and step, LR schedule) per parameter
-   (megahet/checkpointing/optimizer_state.py), re-splits them for the new TP x PP and publishes the result as a new
-   checkpoint beside the old one (train.save, else train.load's folder; `latest` names it), which
-   loads at any DP size and ZeRO stage. The saved checkpoint is kept.
+2. `read_resharded` (after the process groups start): every rank reads only its own slices of the saved
+   checkpoint, in parallel, with no collective: the reshard plan (megahet/policy/reshard_plan.py)
+   from the saved TP x PP x DP x ZeRO layout to the new one names, for each of its tensors (weights,
+   fp32 masters, Adam moments: its new ZeRO fragments), the old rank that holds each run; it reads them
+   from that rank's files, memory-mapped and one old rank at a time, so its memory holds its own new
+   shard, not the model. The built engine is then loaded from it (with Adam's step, the learning
+   rates, the LR schedule). Nothing is written; the saved checkpoint stays as it is.
+   Where the plan cannot apply, `reshard_checkpoint` does what megahet did before: rank 0 merges the
+   whole checkpoint per parameter (megahet/checkpointing/optimizer_state.py), re-splits it and
+   publishes it beside the old one. That is a checkpoint already per parameter (a reshard's output),
+   a GPT whose padded vocabulary changes with the TP degree, and a change of precision.
+
+Why not a library's sharded checkpoint format (measured for issue 32): megatron-core 0.16's
+`dist_checkpointing` saves only with CUDA and no longer describes flat ZeRO fragments
+(`flattened_range` raises); torch.distributed.checkpoint reshards on CPU, but its file reader reads
+each saved chunk whole before cutting a slice (193 MiB above the target to load a quarter of a 200 MiB
+tensor), and either would be a second format beside the DeepSpeed files every tool reads. DeepSpeed's
+own files, memory-mapped (`torch.load(mmap=True)`), give each rank exactly the pages it copies.
 
 The resharded run's gradients are reduced in another order (other DP and TP groups), so it follows
 the uninterrupted run within fp32 reduction noise. RNG streams and step-hook state (the balancer's
 speed samples and plan) belong to the old layout and start fresh.
+
+    resumed = read_resharded(cfg, resume, layout, split)    # None: use reshard_checkpoint
+    progress, note = resumed.restore(trainer)                # into the new Trainer's engine
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
+from megahet.checkpointing.checkpoint import Progress
 from megahet.checkpointing.convert import reshard_into
 from megahet.checkpointing.finder import Resume, describe_layout, find_resume_in, layout_of, per_parameter
+from megahet.checkpointing.safe_load import load_file
+from megahet.checkpointing.sharded_state import (
+    checkpoint_params,
+    read_planned_state,
+    saved_layout,
+    saved_scalars,
+)
+from megahet.checkpointing.state_slices import Flat, load_engine_state
+from megahet.compat.deepspeed_checkpoint import model_states_file
 from megahet.config import ConfigError, MegahetConfig
 from megahet.config_checks import validate
+from megahet.models.gpt import padded_vocab_size
+from megahet.policy.reshard_plan import (
+    KEYS,
+    WEIGHT,
+    WORD_EMBEDDING,
+    Layout,
+    State,
+    rank_holdings,
+    reshard_plan,
+)
 
 
 def needs_reshard(
@@ -135,3 +173,65 @@ def reshard_checkpoint(
     if found is None or found.path != Path(folder):
         raise ConfigError(f"train.load: the resharded checkpoint {folder} is not the latest of its folder")
     return found
+
+
+@dataclasses.dataclass
+class ResumedState:
+    """One rank's state at the new layout, read from the old ranks' files (`read_resharded`)."""
+
+    holdings: State
+    state: Flat
+    scalars: dict
+    progress: Progress
+    note: str
+
+    def restore(self, trainer) -> tuple[Progress, str]:
+        """Load it into the new Trainer's engine; (the saved progress, what was restored)."""
+        engine = trainer.engine
+        load_engine_state(engine, self.holdings, self.state, self.scalars["step"], self.scalars["lr"])
+        if self.scalars["lr_scheduler"] is not None and engine.lr_scheduler is not None:
+            engine.lr_scheduler.load_state_dict(self.scalars["lr_scheduler"])
+        if self.scalars["global_steps"] is not None:
+            engine.global_steps = self.scalars["global_steps"]
+        self.state = {}  # the engine holds it now
+        return self.progress, self.note
+
+
+def _weight_dtype(folder: Path) -> torch.dtype:
+    module = load_file(folder / model_states_file(0), mmap=True)["module"]
+    return next(t.dtype for t in module.values() if torch.is_tensor(t) and t.is_floating_point())
+
+
+def read_resharded(cfg: MegahetConfig, resume: Resume, layout, split: Sequence[int]) -> ResumedState | None:
+    """This rank's state at cfg's layout (`layout`: this rank's place in it; `split`: its layers per stage),
+    read from its own slices of the checkpoint `resume` saved at another layout; None where the reshard
+    plan does not apply (see the module docstring): the caller reshards on rank 0."""
+    meta, folder = resume.meta, resume.path
+    if meta.get("weights_only") or per_parameter(resume) or "layout" not in meta or "model" not in meta:
+        return None
+    t0 = time.perf_counter()
+    params = checkpoint_params(folder, meta)
+    old = saved_layout(meta)
+    new = Layout(layout.tp_size, layout.pp_size, layout.dp_size, tuple(split), tied=old.tied)
+    rows = {p.name: p.shape[0] for p in params}.get(WORD_EMBEDDING)
+    vocab, m = meta.get("vocab_size"), cfg.model
+    if rows is not None and (
+        vocab is None or padded_vocab_size(vocab, m.make_vocab_size_divisible_by, new.tp) != rows
+    ):
+        return None  # the padded vocabulary changes with the TP degree
+    weight = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+    if _weight_dtype(folder) != weight:
+        return None  # another precision: the weights come from the fp32 masters (rank 0's path)
+    plan = reshard_plan(params, old, new, keep=False)
+    dtypes = {key: weight if key == WEIGHT else torch.float32 for key in KEYS}
+    state = read_planned_state(folder, params, plan, layout.rank, dtypes)
+    mine = sum(t.numel() * t.element_size() for t in state.values())
+    seconds = time.perf_counter() - t0
+    note = (
+        f"read its own slices of {folder} ({mine / 2**20:.1f} MiB: weights, fp32 masters and Adam moments, from "
+        f"{len({t.src for t in plan.received_by(layout.rank)})} saved rank(s)) in {seconds:.2f} s, resharded from "
+        f"{describe_layout(meta['layout'])} x DP {old.dp}; RNG streams and step-hook state start fresh"
+    )
+    progress = Progress(meta["iteration"], meta["consumed_samples"])
+    holdings = rank_holdings(params, new, layout.rank, plan.blocks)
+    return ResumedState(holdings, state, saved_scalars(folder, meta), progress, note)

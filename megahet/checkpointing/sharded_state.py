@@ -26,9 +26,10 @@ from pathlib import Path
 import torch
 
 from megahet.checkpointing.checkpoint import optimizer_file
-from megahet.checkpointing.convert import ShardLayout, consolidate
+from megahet.checkpointing.convert import ShardLayout
 from megahet.checkpointing.optimizer_state import zero_files
 from megahet.checkpointing.safe_load import load_file
+from megahet.checkpointing.state_slices import Flat, empty_like_holding, put, take
 from megahet.compat import deepspeed_zero as zero
 from megahet.compat.deepspeed_checkpoint import model_states_file
 from megahet.config import ConfigError
@@ -36,14 +37,13 @@ from megahet.policy.reshard_plan import (
     WEIGHT,
     Layout,
     Param,
+    ReshardPlan,
     decays,
-    model_params,
     rank_holdings,
     stage_params,
+    unsharded_params,
 )
 from megahet.policy.stage_split import StageSplit
-
-Flat = dict[tuple[str, str], torch.Tensor]
 
 
 def saved_layout(meta: dict) -> Layout:
@@ -56,16 +56,15 @@ def saved_layout(meta: dict) -> Layout:
 
 
 def checkpoint_params(folder: Path, meta: dict) -> list[Param]:
-    """The unsharded model's trained parameters (names and shapes, in its order) of a checkpoint."""
-    state, _ = consolidate(folder)
-    params = model_params(((n, t.shape) for n, t in state.items()), gated=ShardLayout.recorded(meta).gated)
+    """The unsharded model's trained parameters (names and shapes) of a checkpoint, from the `param_shapes`
+    its TP rank 0 model states files record per stage (memory-mapped: the weights are not read)."""
     layout = saved_layout(meta)
-    trained: set[str] = set()
+    stages = []
     for stage in range(layout.pp):
-        names = {local: p.name for local, p in stage_params(params, layout, stage)}
-        shapes = load_file(folder / model_states_file(stage * layout.tp))["param_shapes"]
-        trained |= {names[n] for group in shapes for n in group}
-    return [p for p in params if p.name in trained]
+        shapes = load_file(folder / model_states_file(stage * layout.tp), mmap=True)["param_shapes"]
+        stages.append([(name, tuple(shape)) for group in shapes for name, shape in group.items()])
+    gated = ShardLayout.recorded(meta).gated
+    return unsharded_params(stages, layout.tp, layout.split, gated, layout.tied)
 
 
 def _stage_order(params: Sequence[Param], layout: Layout, stage: int) -> list[list[str]]:
@@ -74,13 +73,16 @@ def _stage_order(params: Sequence[Param], layout: Layout, stage: int) -> list[li
     return [[n for n, p in named if decays(n, len(p.shape)) == g] for g in (True, False)]
 
 
-def read_rank_state(folder: Path, params: Sequence[Param], layout: Layout, rank: int, blocks: int) -> Flat:
+def read_rank_state(
+    folder: Path, params: Sequence[Param], layout: Layout, rank: int, blocks: int, mmap: bool = False
+) -> Flat:
     """`rank`'s weights and ZeRO fragments from the DeepSpeed checkpoint `folder` saved at `layout`
-    (reads that rank's model states file and its own ZeRO file only)."""
+    (reads that rank's model states file and its own ZeRO file only; `mmap`: memory-mapped, so that only
+    the pages of the elements later read are loaded)."""
     d, stage, t = layout.coords(rank)
     mp = stage * layout.tp + t
     holding = rank_holdings(params, layout, rank, blocks)
-    states = load_file(folder / model_states_file(mp))
+    states = load_file(folder / model_states_file(mp), mmap=mmap)
     order = [list(group) for group in states["param_shapes"]]
     if order != _stage_order(params, layout, stage):
         raise ConfigError(
@@ -90,7 +92,7 @@ def read_rank_state(folder: Path, params: Sequence[Param], layout: Layout, rank:
     name_of = {h.local_name: name for (name, key), h in holding.items() if key == WEIGHT}
     module = states["module"]
     out: Flat = {(name, WEIGHT): module[local].reshape(-1) for local, name in name_of.items()}
-    saved = load_file(zero_files(folder, mp)[d])
+    saved = load_file(zero_files(folder, mp)[d], mmap=mmap)
     for fp32, adam, mapping in zero.file_partitions(saved):
         flats = {"fp32": fp32, "exp_avg": adam["exp_avg"], "exp_avg_sq": adam["exp_avg_sq"]}
         for local, address in mapping.items():
@@ -122,3 +124,36 @@ def read_per_parameter_state(
         whole = module[h.local_name] if key == WEIGHT else optimizer[key][h.local_name]
         out[(name, key)] = whole.reshape(-1)[h.lo : h.hi]
     return out
+
+
+def read_planned_state(folder: Path, params: Sequence[Param], plan: ReshardPlan, rank: int, dtypes) -> Flat:
+    """New `rank`'s state under `plan` (made with keep=False: it holds nothing yet), read from the old
+    ranks' files in `folder`: memory-mapped, one old rank at a time, copying only its runs, so that the
+    rank's memory holds its own new state and one source's pages of it at most."""
+    after = rank_holdings(params, plan.new, rank, plan.blocks)
+    new = {k: empty_like_holding(h, dtypes[k[1]]) for k, h in after.items()}
+    by_source: dict[int, list] = {}
+    for t in plan.received_by(rank):
+        by_source.setdefault(t.src, []).append(t)
+    for src, transfers in sorted(by_source.items()):
+        held = rank_holdings(params, plan.old, src, plan.blocks)
+        old = read_rank_state(folder, params, plan.old, src, plan.blocks, mmap=True)
+        for t in transfers:
+            k = (t.name, t.key)
+            put(new[k], after[k], t.runs, take(old[k], held[k], t.runs))
+        del old  # unmaps the source's files
+    return new
+
+
+def saved_scalars(folder: Path, meta: dict) -> dict:
+    """What every rank of a resharded restart holds alike: Adam's step and learning rates (a ZeRO file's),
+    the LR schedule and the engine's step count (a model states file's)."""
+    states = load_file(folder / model_states_file(0), mmap=True)
+    saved = load_file(zero_files(folder, 0)[0], mmap=True)
+    steps = {int(adam["step"]) for _, adam, _ in zero.file_partitions(saved)}
+    return {
+        "step": steps.pop() if len(steps) == 1 else max(steps),
+        "lr": zero.file_group_lrs(saved),
+        "lr_scheduler": states.get("lr_scheduler"),
+        "global_steps": states.get("global_steps"),
+    }

@@ -105,6 +105,30 @@ def model_params(shapes: Iterable[tuple[str, Sequence[int]]], gated: bool = Fals
     return out
 
 
+def unsharded_params(
+    stages: Sequence[Sequence[tuple[str, Sequence[int]]]],
+    tp: int,
+    split: Sequence[int],
+    gated: bool,
+    tied: bool,
+) -> list[Param]:
+    """The unsharded model's parameters from each stage's TP-local (name, shape) pairs (TP rank 0's), in
+    stage order: layer indexes made global, partition dims times `tp`, the last stage's tied copy of the
+    word embedding dropped (`tied`)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    first = 0
+    for stage, named in enumerate(stages):
+        for local, shape in named:
+            if tied and local == TIED_COPY and stage > 0 and WORD_EMBEDDING in shapes:
+                continue
+            match = LAYER_NAME.match(local)
+            name = f"decoder.layers.{first + int(match.group(1))}.{match.group(2)}" if match else local
+            dim = partition_dim(name)
+            shapes[name] = tuple(int(n) * tp if i == dim else int(n) for i, n in enumerate(shape))
+        first += split[stage]
+    return model_params(shapes.items(), gated=gated)
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """TP x PP x DP with the layers per stage; `tied`: the last stage holds a copy of the word
@@ -316,6 +340,11 @@ class Transfer:
     def numel(self) -> int:
         return self.stop - self.start
 
+    @property
+    def runs(self) -> Runs:
+        """The moved run, as a run list (what take / put read and write)."""
+        return np.array([[self.start, self.stop]], dtype=np.int64)
+
 
 @dataclasses.dataclass(frozen=True)
 class ReshardPlan:
@@ -358,12 +387,14 @@ def _source_order(old: Layout, dp: int, tp: int, holder: tuple[int, Holding]) ->
     return (held.copy, t != tp, (d - dp) % old.dp, src)
 
 
-def reshard_plan(params: Sequence[Param], old: Layout, new: Layout) -> ReshardPlan:
+def reshard_plan(params: Sequence[Param], old: Layout, new: Layout, keep: bool = True) -> ReshardPlan:
     """The minimal transfers from layout `old` to layout `new` of every key of every tensor of the model
     `params` (the same tensors and shapes in both). A new rank receives only what it does not hold in
     the old layout; each missing run comes from one holder: the original rather than the tied copy, and
     among the DP replicas of the old layout the one this rank's replica maps to (d mod old DP), so that
-    replicas read from different ranks. ValueError when an element has no holder (not the same model)."""
+    replicas read from different ranks. `keep=False`: the new ranks hold nothing yet (a restart in new
+    processes reads everything from the old ranks' files). ValueError when an element has no holder (not
+    the same model)."""
     layers = 1 + max((p.layer for p in params if p.layer is not None), default=-1)
     for which, lay in (("old", old), ("new", new)):
         if sum(lay.split) != layers:
@@ -384,7 +415,7 @@ def reshard_plan(params: Sequence[Param], old: Layout, new: Layout) -> ReshardPl
         d, _, t = new.coords(r)
         for (name, key), h in rank_holdings(params, new, r, blocks).items():
             need = h.runs
-            had = before.get(r, {}).get((name, key))
+            had = before.get(r, {}).get((name, key)) if keep else None
             if had is not None:
                 need = subtract(need, had.runs)
                 kept[key] += size(h.runs) - size(need)

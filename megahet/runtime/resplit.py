@@ -37,24 +37,21 @@ import torch
 import torch.distributed as dist
 
 from megahet.checkpointing import checkpoint
+from megahet.checkpointing.state_slices import engine_state, load_engine_state
 from megahet.compat import deepspeed_zero as zero
 from megahet.platform import cuda_available, device
 from megahet.policy.reshard_plan import (
     KEYS,
-    LAYER_NAME,
-    TIED_COPY,
     WEIGHT,
-    WORD_EMBEDDING,
     Layout,
     Param,
-    model_params,
-    partition_dim,
     rank_holdings,
     reshard_plan,
+    unsharded_params,
 )
 from megahet.policy.stage_split import layers_moved
 from megahet.run_plan import RunPlan
-from megahet.runtime.state_move import engine_state, exchange, load_engine_state
+from megahet.runtime.state_move import exchange
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,25 +80,15 @@ def _free(trainer) -> None:
 
 
 def live_params(model: torch.nn.Module, layout, split, gated: bool, tied: bool) -> list[Param]:
-    """The unsharded model's trained parameters, in its order, from every rank's live stage (an
-    all-gather of (stage, TP rank, local names and shapes); all ranks call it). `tied`: the last
-    stage's `output_layer.weight` is a copy of the word embedding, not a parameter of its own."""
+    """The unsharded model's trained parameters from every rank's live stage (an all-gather of (stage, TP
+    rank, local names and shapes); all ranks call it). `tied`: the last stage's `output_layer.weight` is
+    a copy of the word embedding, not a parameter of its own."""
     mine = (layout.pp_rank, layout.tp_rank, [(n, tuple(p.shape)) for n, p in model.named_parameters()])
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine if layout.dp_rank == 0 else None)
     by_stage = {stage: named for stage, tp_rank, named in filter(None, gathered) if tp_rank == 0}
-    shapes: dict[str, tuple[int, ...]] = {}
-    first = 0
-    for stage in range(layout.pp_size):
-        for local, shape in by_stage[stage]:
-            if tied and local == TIED_COPY and stage > 0 and WORD_EMBEDDING in shapes:
-                continue  # the last stage's tied copy of the word embedding
-            match = LAYER_NAME.match(local)
-            name = f"decoder.layers.{first + int(match.group(1))}.{match.group(2)}" if match else local
-            dim = partition_dim(name)
-            shapes[name] = tuple(s * layout.tp_size if i == dim else s for i, s in enumerate(shape))
-        first += split[stage]
-    return model_params(shapes.items(), gated=gated)
+    stages = [by_stage[stage] for stage in range(layout.pp_size)]
+    return unsharded_params(stages, layout.tp_size, split, gated, tied)
 
 
 def resplit(trainer, rebuild: Callable[[RunPlan, Callable, int], object]):

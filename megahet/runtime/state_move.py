@@ -2,19 +2,14 @@
 
 Role: mechanism (the plan says which frame runs move between which ranks; this moves the elements).
 
-A rank's state of one (tensor, key) is a flat tensor: the whole TP-local tensor for the weights, its
-ZeRO fragment [lo, hi) of it for the optimizer keys (`Holding`). `take` reads the elements of frame
-runs from such a tensor, in frame order; `put` writes them into the new layout's tensor.
+A rank's state of one (tensor, key) is a flat tensor (megahet/checkpointing/state_slices.py: take,
+put, keep; `apply_plan` runs a whole plan in one process).
 
-- `apply_plan` runs a whole plan in one process (every rank's old state in, every rank's new state
-  out): the offline path and the tests.
 - `exchange` runs this rank's part of a plan over the process group: it keeps what it holds, sends the
   runs it is the source of and receives the runs it needs, one message per peer and dtype
   (`torch.distributed.batch_isend_irecv`), on the device the state lives on.
-- `engine_state` views a live DeepSpeed engine's state as the plan's holdings (its parameters and its
-  ZeRO fragments); `load_engine_state` writes a new holding into a freshly built engine.
+- the engine's side (`engine_state`, `load_engine_state`) is in megahet/checkpointing/state_slices.py.
 
-    new_states = apply_plan(plan, params, old_states, dtypes)       # {rank: {(name, key): flat tensor}}
     mine = exchange(plan, rank, before, after, engine_state(engine, before), dtypes)
 """
 
@@ -22,85 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from megahet.checkpointing.optimizer_state import prepare_adam
-from megahet.compat import deepspeed_zero as zero
-from megahet.policy.reshard_plan import (
-    WEIGHT,
-    Holding,
-    Param,
-    ReshardPlan,
-    State,
-    Transfer,
-    intersect,
-    local_ranges,
-    rank_holdings,
-)
-
-Flat = dict[tuple[str, str], torch.Tensor]  # (unsharded name, key) -> flat tensor, of one rank
-
-
-def take(flat: torch.Tensor, holding: Holding, runs: np.ndarray) -> torch.Tensor:
-    """The elements of frame `runs` (held by `holding`) from its flat tensor, in frame order; (n,)."""
-    ranges = local_ranges(holding, runs)
-    if len(ranges) == 1:
-        a, b = ranges[0]
-        return flat[a:b]
-    return torch.cat([flat[a:b] for a, b in ranges]) if len(ranges) else flat[:0]
-
-
-def put(flat: torch.Tensor, holding: Holding, runs: np.ndarray, values: torch.Tensor) -> None:
-    """Write `values` ((n,), in frame order) into the elements of frame `runs` of `holding`'s flat tensor."""
-    at = 0
-    for a, b in local_ranges(holding, runs):
-        flat[a:b].copy_(values[at : at + b - a])
-        at += b - a
-    if at != values.numel():
-        raise ValueError(f"{holding.local_name}: {values.numel()} values for {at} elements")
-
-
-def empty_like_holding(
-    holding: Holding, dtype: torch.dtype, device: torch.device | str = "cpu"
-) -> torch.Tensor:
-    """The new layout's flat tensor of `holding` (its [lo, hi)), to be filled by put."""
-    return torch.empty(holding.hi - holding.lo, dtype=dtype, device=device)
-
-
-def keep(old: Flat, before: State, after: State, new: Flat) -> None:
-    """Copy into `new` what this rank held in `before` and still holds in `after` (nothing crosses ranks)."""
-    for k, h in after.items():
-        had = before.get(k)
-        if had is not None and k in old:
-            runs = intersect(h.runs, had.runs)
-            if len(runs):
-                put(new[k], h, runs, take(old[k], had, runs))
-
-
-def apply_plan(
-    plan: ReshardPlan,
-    params: Sequence[Param],
-    old_states: Mapping[int, Flat],
-    dtypes: Mapping[str, torch.dtype],
-) -> dict[int, Flat]:
-    """Run `plan` in one process: every old rank's flat tensors in (`old_states`), every new rank's out
-    (`dtypes`: per key)."""
-    before = {r: rank_holdings(params, plan.old, r, plan.blocks) for r in range(plan.old.world)}
-    after = {r: rank_holdings(params, plan.new, r, plan.blocks) for r in range(plan.new.world)}
-    new_states: dict[int, Flat] = {}
-    for r, state in after.items():
-        new_states[r] = {k: empty_like_holding(h, dtypes[k[1]]) for k, h in state.items()}
-        keep(old_states.get(r, {}), before.get(r, {}), state, new_states[r])
-    for t in plan.transfers:
-        k, runs = (t.name, t.key), np.array([[t.start, t.stop]], dtype=np.int64)
-        put(new_states[t.dst][k], after[t.dst][k], runs, take(old_states[t.src][k], before[t.src][k], runs))
-    return new_states
-
-
-def _run(t: Transfer) -> np.ndarray:
-    return np.array([[t.start, t.stop]], dtype=np.int64)
+from megahet.checkpointing.state_slices import Flat, empty_like_holding, keep, put, take
+from megahet.policy.reshard_plan import WEIGHT, ReshardPlan, State, Transfer
 
 
 def _by_peer(transfers: Sequence[Transfer], peer_of) -> dict[tuple[int, bool], list[Transfer]]:
@@ -127,7 +48,7 @@ def exchange(
     keep(old, before, after, new)
     ops, received = [], []
     for (dst, weights), group in _by_peer(plan.sent_by(rank), lambda t: t.dst).items():
-        payload = torch.cat([take(old[(t.name, t.key)], before[(t.name, t.key)], _run(t)) for t in group])
+        payload = torch.cat([take(old[(t.name, t.key)], before[(t.name, t.key)], t.runs) for t in group])
         ops.append(dist.P2POp(dist.isend, payload.contiguous(), dst, tag=int(weights)))
     for (src, weights), group in _by_peer(plan.received_by(rank), lambda t: t.src).items():
         dtype = dtypes[group[0].key]
@@ -141,61 +62,6 @@ def exchange(
         at = 0
         for t in group:
             k = (t.name, t.key)
-            put(new[k], after[k], _run(t), buffer[at : at + t.numel])
+            put(new[k], after[k], t.runs, buffer[at : at + t.numel])
             at += t.numel
     return new
-
-
-def engine_state(engine, holdings: State) -> Flat:
-    """This rank's state as `holdings` says it holds it, as views of the live engine: the module's
-    parameters (weights) and the ZeRO fragments of its fp32 masters and Adam moments. ValueError when
-    DeepSpeed's fragments are not where the plan puts them."""
-    params = dict(engine.module.named_parameters())
-    out: Flat = {}
-    for (name, key), h in holdings.items():
-        param = params[h.local_name]
-        if key == WEIGHT:
-            out[(name, key)] = param.detach().reshape(-1)
-            continue
-        fragment = zero.hp_fragment(param)
-        lo, hi = zero.fragment_range(fragment) if fragment is not None else (0, 0)
-        if (lo, hi) != (h.lo, h.hi) and hi > lo:
-            raise ValueError(
-                f"{h.local_name}: DeepSpeed's ZeRO fragment is [{lo}, {hi}), the reshard plan's [{h.lo}, {h.hi}): "
-                f"the plan cannot address this engine's optimizer state"
-            )
-        if fragment is None or hi == lo:
-            out[(name, key)] = torch.zeros(0, dtype=torch.float32, device=param.device)
-        elif key == "fp32":
-            out[(name, key)] = zero.fragment_master(fragment)
-        else:
-            out[(name, key)] = zero.fragment_optimizer_state(fragment, engine.optimizer)[key]
-    return out
-
-
-def load_engine_state(engine, holdings: State, flat: Flat, step: int, lrs: list[float] | None) -> None:
-    """Write this rank's new state (`flat`, of `holdings`) into a freshly built engine: the weights into
-    the module's parameters, the fp32 masters and Adam moments (at Adam `step`, learning rates `lrs`)
-    into its ZeRO fragments."""
-    params = dict(engine.module.named_parameters())
-    missing = sorted(set(params) - {h.local_name for h in holdings.values()})
-    if missing:
-        raise ValueError(
-            f"the reshard plan holds no state for {missing[0]}: it would keep its fresh initial values"
-        )
-    prepare_adam(engine, step, lrs)
-    with torch.no_grad():
-        for (name, key), h in holdings.items():
-            param, values = params[h.local_name], flat[(name, key)]
-            if key == WEIGHT:
-                param.view(-1).copy_(values)
-                continue
-            fragment = zero.hp_fragment(param)
-            if fragment is None or h.hi == h.lo:
-                continue
-            if zero.fragment_range(fragment) != (h.lo, h.hi):
-                raise ValueError(f"{h.local_name}: the new engine's ZeRO fragment is not the plan's")
-            if key == "fp32":
-                zero.fragment_master(fragment).copy_(values)
-            else:
-                zero.fragment_optimizer_state(fragment, engine.optimizer)[key].copy_(values)

@@ -241,8 +241,8 @@ def test_reshard_plans_give_the_rank0_reshard_bit_for_bit(trained, tmp_path):
         read_rank_state,
         saved_layout,
     )
+    from megahet.checkpointing.state_slices import apply_plan
     from megahet.policy.reshard_plan import KEYS, Layout, reshard_plan
-    from megahet.runtime.state_move import apply_plan
 
     out, _, _ = trained
     for i, (name, tp, pp, split, dp) in enumerate(PLANNED):
@@ -263,3 +263,38 @@ def test_reshard_plans_give_the_rank0_reshard_bit_for_bit(trained, tmp_path):
         print(
             f"reshard plan {name} {old} -> {new}: {len(plan.transfers)} transfers, {moved:.2f} of the new state moved"
         )
+
+
+def test_an_elastic_restart_reads_what_the_rank0_reshard_writes(trained, world1, tmp_path):
+    """`read_resharded` (each new rank reads its own slices of the saved files, memory-mapped) gives every
+    new rank of TP 1 x DP 3 and TP 2 x PP 2 (1,3) x DP 1 what `reshard_checkpoint` (rank 0 merges and
+    writes the whole checkpoint per parameter) writes for it, bit for bit; where the plan cannot apply
+    (another precision, a vocabulary padded otherwise at the new TP) it declines, and the rank-0 path
+    is taken."""
+    import types
+
+    from megahet.checkpointing.elastic import read_resharded, reshard_checkpoint
+    from megahet.checkpointing.finder import find_resume_in
+    from megahet.checkpointing.sharded_state import checkpoint_params, read_per_parameter_state
+    from megahet.policy.reshard_plan import Layout
+
+    out, _, _ = trained
+    resume = find_resume_in(out / "gpt_dp2_ck")
+    params = checkpoint_params(resume.path, resume.meta)
+    for i, (tp, pp, split, dp) in enumerate([(1, 1, (4,), 3), (2, 2, (1, 3), 1)]):
+        cfg = load_config(["--parallel.tp", str(tp), "--parallel.pp", str(pp)])
+        written = reshard_checkpoint(cfg, resume, 0, split, tmp_path / str(i))
+        new = Layout(tp, pp, dp, split)
+        for rank in range(new.world):
+            layout = types.SimpleNamespace(tp_size=tp, pp_size=pp, dp_size=dp, rank=rank)
+            resumed = read_resharded(cfg, resume, layout, split)
+            want = read_per_parameter_state(written.path, params, new, rank, blocks=2)
+            assert resumed.state.keys() == want.keys()
+            for k, tensor in want.items():
+                assert torch.equal(resumed.state[k], tensor), (tp, pp, dp, rank, k)
+        assert "read its own slices of" in resumed.note and resumed.progress.iteration == 3
+    layout = types.SimpleNamespace(tp_size=1, pp_size=1, dp_size=1, rank=0)
+    bf16 = load_config(["--train.precision", "bf16"])
+    assert read_resharded(bf16, resume, layout, (4,)) is None
+    padded = load_config(["--model.make_vocab_size_divisible_by", "384"])  # 1024 rows -> 1152 at TP 1
+    assert read_resharded(padded, resume, layout, (4,)) is None

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from megahet.checkpointing.convert import ShardLayout, shard
+from megahet.checkpointing.state_slices import apply_plan
 from megahet.policy.reshard_plan import (
     KEYS,
     OPTIMIZER_KEYS,
@@ -30,7 +31,6 @@ from megahet.policy.reshard_plan import (
     subtract,
     zero_fragments,
 )
-from megahet.runtime.state_move import apply_plan
 
 V, H, FFN, LAYERS = 16, 8, 32, 4
 

@@ -108,6 +108,8 @@ class Trainer:
         and `pretrain()` re-splits (megahet/runtime/resplit.py)."""
         self.last_saved = -1
         self.build_s = 0.0
+        self.last_resplit = None
+        """The re-split that built this Trainer, measured (megahet/runtime/resplit.py ResplitCost), if any."""
         """Seconds the stage model and engine took to build (set by megahet.training.build_trainer)."""
         """The step of this trainer's last checkpoint in train.save."""
         self.plan = None

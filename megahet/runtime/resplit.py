@@ -145,6 +145,7 @@ def resplit(trainer, rebuild: Callable[[RunPlan, Callable, int], object]):
     itemsize = {key: dtypes[key].itemsize for key in KEYS}
     moved = layers_moved(old_split, new_plan.split)
     cost = ResplitCost(float(parts[0]), float(parts[1]), moves.bytes_moved(itemsize), moved)
+    new_trainer.last_resplit = cost
     for hook in new_trainer.step_hooks:
         hook.resplit_done(cost)
     logger.print(

@@ -1,0 +1,396 @@
+"""What a layout change costs: today's rank-0 path against the reshard plan's, by model size (issue 32).
+
+    python benchmarks/reshard_cost.py [--sizes 10M,100M,400M] [--name reshard_cost]
+
+Two changes, each done both ways in the same processes (so both see the same machine):
+- **re-split one layer** at PP=2 x DP=2 (4 ranks), 8 layers, after one training step (Adam's state
+  exists): (a) the old way: every rank saves, rank 0 merges the whole checkpoint per parameter and
+  writes it resharded, every rank rebuilds and loads it; (b) the online re-split
+  (megahet/runtime/resplit.py): the layer moves rank to rank with its optimizer state, the stages are
+  rebuilt. 4,4 -> 5,3 one way, 5,3 -> 4,4 the other (one layer each);
+- **elastic restart 4 -> 2 ranks**: the step-1 checkpoint of the PP=2 x DP=2 run loads at PP=2 x DP=1:
+  (a) rank 0 reshards it and every rank loads the result; (b) every rank reads its own slices
+  (megahet/checkpointing/elastic.py read_resharded).
+
+Per size (GPT, 8 layers of hidden 320 / 1024 / 2048: about 10 M, 100 M, 400 M parameters) it reports
+the wall time and its parts, every rank's peak resident memory during the change (sampled from
+/proc/self/statm every 2 ms) against the rank's own new shard (its weights, fp32 masters and Adam
+moments), the bytes moved against the minimum (the bytes whose owner changes: the reshard plan's; the
+old path's bytes are those through the disk: the saved and the resharded checkpoint, each written and
+read), and, for the re-split, the time a plain send of the same bytes between the same ranks takes. A
+plot draws each path's time and worst peak memory against the model size and extrapolates them to
+7 B and 70 B parameters with straight-line fits (a fixed cost plus the measured cost per parameter). Writes benchmarks/results/<name>.{md,json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SIZES = {"10M": (320, 4), "100M": (1024, 8), "400M": (2048, 16)}  # hidden, heads (8 layers)
+BYTES_PER_PARAM = 16  # fp32 weight, fp32 master, two Adam moments
+
+
+class PeakRSS:
+    """Peak resident memory of this process while the block runs (bytes; sampled every 2 ms)."""
+
+    def __enter__(self):
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.before = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self.page
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, self._rss())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+
+def _args(hidden: int, heads: int, out: Path, pp: int = 2) -> list[str]:
+    return [
+        "--parallel.pp", str(pp), "--model.num_layers", "8", "--model.hidden_size", str(hidden),
+        "--model.num_attention_heads", str(heads), "--model.seq_length", "32",
+        "--train.micro_batch_size", "1", "--train.global_batch_size", "4", "--train.train_iters", "100",
+        "--train.eval_interval", "1000", "--logging.wandb", "false", "--logging.log_dir", str(out / "logs"),
+    ]  # fmt: skip
+
+
+def _shard_bytes(trainer) -> int:
+    """This rank's own state: its weights, and its ZeRO fragments of the fp32 masters and Adam moments."""
+    from megahet.compat import deepspeed_zero as zero
+
+    total = 0
+    for param in trainer.engine.module.parameters():
+        total += param.numel() * param.element_size()
+        fragment = zero.hp_fragment(param)
+        if fragment is not None:
+            lo, hi = zero.fragment_range(fragment)
+            total += 3 * 4 * (hi - lo)
+    return total
+
+
+def _gather(row: dict) -> list[dict]:
+    import torch.distributed as dist
+
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, row)
+    return rows
+
+
+def _raw_send_s(plan, rank: int, itemsize: dict) -> float:
+    """Seconds to send each (src, dst) pair's bytes of `plan` as one plain message (all pairs at once)."""
+    import torch
+    import torch.distributed as dist
+
+    pairs: dict[tuple[int, int], int] = {}
+    for t in plan.transfers:
+        pairs[(t.src, t.dst)] = pairs.get((t.src, t.dst), 0) + t.numel * itemsize[t.key]
+    ops = []
+    for (src, dst), size in sorted(pairs.items()):
+        if rank == src:
+            ops.append(dist.P2POp(dist.isend, torch.empty(size, dtype=torch.uint8), dst))
+        elif rank == dst:
+            ops.append(dist.P2POp(dist.irecv, torch.empty(size, dtype=torch.uint8), src))
+    dist.barrier()
+    t0 = time.perf_counter()
+    for request in dist.batch_isend_irecv(ops) if ops else []:
+        request.wait()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def worker_resplit(hidden: int, heads: int, out: Path) -> None:
+    """4 ranks: one step, save the step-1 checkpoint (for the elastic case), then re-split one layer the
+    old way (4,4 -> 5,3) and the plan's way (5,3 -> 4,4)."""
+    import torch.distributed as dist
+
+    import pretrain_gpt
+    from megahet.checkpointing import checkpoint, finder
+    from megahet.checkpointing.elastic import reshard_checkpoint
+    from megahet.config import load_config
+    from megahet.policy.reshard_plan import KEYS, Layout, reshard_plan
+    from megahet.runtime.resplit import _free, live_params, resplit
+    from megahet.training import build_trainer, setup
+
+    cfg = load_config([*_args(hidden, heads, out), "--train.save", str(out / "ck")])
+    trainer = setup(cfg, pretrain_gpt.SPEC)
+    spec, layout, logger = pretrain_gpt.SPEC, trainer.layout, trainer.logger
+    trainer.train_step()
+    checkpoint.save(trainer.checkpoint_parts(), trainer.progress(), out / "ck")
+    shard_before = _shard_bytes(trainer)
+
+    # (a) the old way: save -> rank 0 reshards the whole checkpoint -> rebuild and load
+    new_plan = trainer.plan.with_split((5, 3))
+    with PeakRSS() as rss_a:
+        t0 = time.perf_counter()
+        root = out / "old_resplit"
+        checkpoint.save(trainer.checkpoint_parts(), trainer.progress(), root)
+        t_save = time.perf_counter()
+        resume = finder.find_resume_in(root)
+        _free(trainer)
+        resume = reshard_checkpoint(cfg, resume, layout.rank, new_plan.split, root)
+        t_reshard = time.perf_counter()
+        trainer = build_trainer(new_plan, spec, layout, resume, logger, 1)
+        dist.barrier()
+        t_done = time.perf_counter()
+    disk = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+    old = {
+        "save_s": t_save - t0, "reshard_s": t_reshard - t_save, "build_s": t_done - t_reshard,
+        "total_s": t_done - t0, "peak_rss": rss_a.peak, "rss_before": rss_a.before, "disk_bytes": disk,
+    }  # fmt: skip
+
+    # (b) the plan's way: 5,3 -> 4,4, the layer moves rank to rank
+    m = cfg.model
+    params = live_params(trainer.engine.module, trainer.layout, (5, 3), m.activation == "swiglu", True)
+    lay = Layout(2, 2, trainer.layout.dp_size, (5, 3))
+    plan = reshard_plan(params, lay, dataclasses.replace(lay, split=(4, 4)))
+    itemsize = dict.fromkeys(KEYS, 4)
+    raw_s = _raw_send_s(plan, trainer.layout.rank, itemsize)
+
+    def rebuild(p, restore, n):
+        return build_trainer(p, spec, layout, None, logger, n, (), restore)
+
+    trainer.pending_split = (4, 4)
+    gc.collect()
+    with PeakRSS() as rss_b:
+        t0 = time.perf_counter()
+        trainer = resplit(trainer, rebuild)
+        t_done = time.perf_counter()
+    cost = trainer.last_resplit
+    new = {
+        "transfer_s": cost.transfer_s, "build_s": cost.build_s, "total_s": t_done - t0,
+        "peak_rss": rss_b.peak, "rss_before": rss_b.before, "bytes_moved": cost.bytes_moved,
+        "bytes_minimum": plan.bytes_moved(itemsize), "raw_send_s": raw_s,
+    }  # fmt: skip
+    row = {"rank": trainer.layout.rank, "old": old, "new": new, "shard": _shard_bytes(trainer)}
+    row["shard_before"] = shard_before
+    rows = _gather(row)
+    if trainer.layout.rank == 0:
+        total = sum(p.numel for p in params)
+        (out / "resplit.json").write_text(json.dumps({"params": total, "ranks": rows}))
+    dist.barrier()
+
+
+def worker_elastic(hidden: int, heads: int, out: Path) -> None:
+    """2 ranks: the 4-rank step-1 checkpoint at PP=2 x DP=1, resharded by rank 0 and then read in
+    parallel (rank 0's output goes into its own folder: the saved checkpoint is read by both)."""
+    import torch.distributed as dist
+
+    import pretrain_gpt
+    from megahet.checkpointing.elastic import read_resharded, reshard_checkpoint
+    from megahet.config import load_config
+    from megahet.parallel import initialize_parallel
+    from megahet.run_plan import plan_run
+    from megahet.runtime.resplit import _free
+    from megahet.training import build_trainer
+
+    spec = pretrain_gpt.SPEC
+    cfg = load_config([*_args(hidden, heads, out), "--train.load", str(out / "ck")])
+    plan = plan_run(cfg, spec)
+    assert plan.reshard, "the benchmark's checkpoint should need a reshard at 2 ranks"
+    layout = initialize_parallel(plan.tp, plan.pp, cfg.train.seed, cfg.parallel.distributed_timeout_minutes)
+    with PeakRSS() as rss_a:
+        t0 = time.perf_counter()
+        resume = reshard_checkpoint(plan.cfg, plan.resume, layout.rank, plan.split, out / "old_elastic")
+        t_reshard = time.perf_counter()
+        trainer = build_trainer(plan, spec, layout, resume)
+        dist.barrier()
+        t_done = time.perf_counter()
+    old = {
+        "reshard_s": t_reshard - t0, "build_s": t_done - t_reshard, "total_s": t_done - t0,
+        "peak_rss": rss_a.peak, "rss_before": rss_a.before,
+    }  # fmt: skip
+    shard = _shard_bytes(trainer)
+    _free(trainer)
+    gc.collect()
+    with PeakRSS() as rss_read:
+        t0 = time.perf_counter()
+        resumed = read_resharded(plan.cfg, plan.resume, layout, plan.split)
+        t_read = time.perf_counter()
+    assert resumed is not None, "the reshard plan should apply"
+    with PeakRSS() as rss_b:
+        trainer = build_trainer(plan, spec, layout, None, restore=resumed.restore)
+        dist.barrier()
+        t_done = time.perf_counter()
+    new = {
+        "read_s": t_read - t0, "build_s": t_done - t_read, "total_s": t_done - t0,
+        "read_peak_rss": rss_read.peak, "read_rss_before": rss_read.before, "peak_rss": max(rss_b.peak, rss_read.peak),
+        "rss_before": rss_read.before,
+    }  # fmt: skip
+    rows = _gather({"rank": layout.rank, "old": old, "new": new, "shard": shard})
+    if layout.rank == 0:
+        (out / "elastic.json").write_text(json.dumps({"ranks": rows}))
+    dist.barrier()
+
+
+def _run(size: str, out: Path) -> dict:
+    from benchmarks.common import torchrun
+
+    hidden, heads = SIZES[size]
+    out.mkdir(parents=True, exist_ok=True)
+    me = str(Path(__file__).resolve())
+    common = ["--worker", "--hidden", str(hidden), "--heads", str(heads), "--out", str(out)]
+    t_resplit = torchrun(me, 4, [*common, "--case", "resplit"], out / "resplit.log")
+    t_elastic = torchrun(me, 2, [*common, "--case", "elastic"], out / "elastic.log")
+    resplit = json.loads((out / "resplit.json").read_text())
+    elastic = json.loads((out / "elastic.json").read_text())
+    print(f"{size}: launches {t_resplit:.0f} s and {t_elastic:.0f} s", flush=True)
+    return {"resplit": resplit, "elastic": elastic}
+
+
+def _rows(size: str, result: dict) -> list[dict]:
+    """Table rows: per change and path, the slowest rank's time and the worst peak against own shard."""
+    mib = 2**20
+    rs, el = result["resplit"], result["elastic"]
+    params = rs["params"]
+    rows = []
+    ranks = rs["ranks"]
+    old_peak = max(r["old"]["peak_rss"] - r["old"]["rss_before"] for r in ranks)
+    new_peak = max(r["new"]["peak_rss"] - r["new"]["rss_before"] for r in ranks)
+    shard = max(r["shard"] for r in ranks)
+    moved = sum(r["new"]["bytes_moved"] for r in ranks[:1])
+    minimum = ranks[0]["new"]["bytes_minimum"]
+    transfer = max(r["new"]["transfer_s"] for r in ranks)
+    raw = max(r["new"]["raw_send_s"] for r in ranks)
+    rows.append({
+        "size": size, "params_M": params / 1e6, "change": "re-split 1 layer", "path": "rank 0 (save, merge, load)",
+        "time_s": max(r["old"]["total_s"] for r in ranks),
+        "parts": f"save {max(r['old']['save_s'] for r in ranks):.2f} + reshard {max(r['old']['reshard_s'] for r in ranks):.2f} + build {max(r['old']['build_s'] for r in ranks):.2f}",
+        "peak_extra_MiB": old_peak / mib, "shard_MiB": shard / mib, "peak_over_shard": old_peak / shard,
+        "bytes_MiB": 2 * ranks[0]["old"]["disk_bytes"] / mib, "minimum_MiB": minimum / mib,
+    })  # fmt: skip
+    rows.append({
+        "size": size, "params_M": params / 1e6, "change": "re-split 1 layer", "path": "plan (rank to rank)",
+        "time_s": max(r["new"]["total_s"] for r in ranks),
+        "parts": f"transfer {transfer:.2f} (plain send {raw:.2f}: x{transfer / raw:.1f}) + build {max(r['new']['build_s'] for r in ranks):.2f}",
+        "peak_extra_MiB": new_peak / mib, "shard_MiB": shard / mib, "peak_over_shard": new_peak / shard,
+        "bytes_MiB": moved / mib, "minimum_MiB": minimum / mib,
+    })  # fmt: skip
+    eranks = el["ranks"]
+    eshard = max(r["shard"] for r in eranks)
+    for path, key, label in (
+        ("rank 0 (merge, write, load)", "old", "reshard"),
+        ("plan (own slices)", "new", "read"),
+    ):
+        peak = max(r[key]["peak_rss"] - r[key]["rss_before"] for r in eranks)
+        first = f"{label} {max(r[key][label + '_s'] for r in eranks):.2f}"
+        rows.append({
+            "size": size, "params_M": params / 1e6, "change": "elastic 4 -> 2 ranks", "path": path,
+            "time_s": max(r[key]["total_s"] for r in eranks),
+            "parts": f"{first} + build {max(r[key]['build_s'] for r in eranks):.2f}",
+            "peak_extra_MiB": peak / mib, "shard_MiB": eshard / mib, "peak_over_shard": peak / eshard,
+            "bytes_MiB": float("nan"), "minimum_MiB": float("nan"),
+        })  # fmt: skip
+    for r in eranks:  # the read alone: what the rank holds beyond its process before the read
+        r["read_over_shard"] = (r["new"]["read_peak_rss"] - r["new"]["read_rss_before"]) / r["shard"]
+    rows[-1]["parts"] += f" (read peak {max(r['read_over_shard'] for r in eranks):.2f}x own shard)"
+    return rows
+
+
+def _extrapolated(ax, pts: list[tuple[float, float]], style: str, label: str, targets) -> None:
+    """Measured points and their straight-line fit (fixed + per-parameter cost), drawn out to `targets`."""
+    import numpy as np
+
+    x, y = (np.array(v) for v in zip(*pts))
+    slope, intercept = np.polyfit(x, y, 1)
+    ax.loglog(x, y, style, label=f"{label}: measured")
+    xs = np.concatenate([x, targets])
+    ax.loglog(
+        xs, np.maximum(intercept + slope * xs, 1e-3), ":", label=f"{label}: {slope * 1e9:.3g} per G params"
+    )
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    """Time per change and path, and the peak memory beyond the process's own, against the model size,
+    extrapolated to 7 B and 70 B parameters."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    targets = np.array([7e9, 70e9])
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
+    panels = [
+        ("re-split 1 layer", "time_s", "wall time (s)"),
+        ("elastic 4 -> 2 ranks", "time_s", "wall time (s)"),
+        (None, "peak_extra_MiB", "peak memory beyond the process's, worst rank (MiB)"),
+    ]
+    for ax, (change, key, ylabel) in zip(axes, panels):
+        for r_change in [change] if change else ["re-split 1 layer", "elastic 4 -> 2 ranks"]:
+            for way, style in (("rank 0", "o-"), ("plan", "s-")):
+                pts = [
+                    (r["params_M"] * 1e6, max(r[key], 1e-3))
+                    for r in rows
+                    if r["change"] == r_change and r["path"].startswith(way)
+                ]
+                if len(pts) >= 2:
+                    label = way if change else f"{r_change}, {way}"
+                    _extrapolated(ax, pts, style, label, targets)
+        ax.set_title(change or "memory")
+        ax.set_xlabel("parameters")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="10M,100M,400M")
+    parser.add_argument("--name", default="reshard_cost")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    parser.add_argument("--hidden", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--heads", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        (worker_resplit if args.case == "resplit" else worker_elastic)(args.hidden, args.heads, args.out)
+        return
+    from benchmarks.common import RESULTS, save_results
+
+    sizes = args.sizes.split(",")
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        raise SystemExit(f"--sizes {unknown[0]}: choose from {','.join(SIZES)}")
+    work = RESULTS / f"{args.name}_runs"
+    rows, raw = [], {}
+    for size in sizes:
+        shutil.rmtree(work / size, ignore_errors=True)
+        raw[size] = _run(size, work / size)
+        rows += _rows(size, raw[size])
+        shutil.rmtree(
+            work / size / "ck", ignore_errors=True
+        )  # the checkpoints: large, and re-made by a rerun
+        for folder in ("old_resplit", "old_elastic"):
+            shutil.rmtree(work / size / folder, ignore_errors=True)
+    columns = ["size", "params_M", "change", "path", "time_s", "parts", "peak_extra_MiB", "shard_MiB",
+               "peak_over_shard", "bytes_MiB", "minimum_MiB"]  # fmt: skip
+    save_results(args.name, rows, columns, {"sizes": sizes, "raw": raw})
+    _plot(rows, RESULTS / f"{args.name}.png")
+
+
+if __name__ == "__main__":
+    main()

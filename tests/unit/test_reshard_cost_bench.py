@@ -1,0 +1,68 @@
+"""The reshard-cost benchmark's parts (benchmarks/reshard_cost.py): the peak-memory sampler sees an
+allocation inside its block, the table takes the slowest rank's time and the worst rank's peak against
+its own shard, and the plot is drawn with its extrapolation to 7 B and 70 B parameters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.reshard_cost import PeakRSS, _plot, _rows
+
+MIB = 2**20
+
+
+def test_peak_rss_sees_a_short_lived_allocation():
+    with PeakRSS() as rss:
+        block = np.ones(64 * MIB // 8)  # 64 MiB, touched
+        del block
+    assert rss.peak - rss.before > 48 * MIB
+
+
+def _result(scale: float) -> dict:
+    def resplit_rank(rank: int) -> dict:
+        return {
+            "rank": rank,
+            "shard": 100 * MIB * scale,
+            "old": {"save_s": 1.0 * scale, "reshard_s": 2.0 * scale, "build_s": 0.5, "total_s": 3.5 * scale + rank,
+                    "peak_rss": (1000 + 400 * (rank == 0)) * MIB * scale, "rss_before": 900 * MIB * scale,
+                    "disk_bytes": 800 * MIB * scale},
+            "new": {"transfer_s": 0.2 * scale, "build_s": 0.5, "total_s": 0.7 * scale, "peak_rss": 950 * MIB * scale,
+                    "rss_before": 900 * MIB * scale, "bytes_moved": 30 * MIB * scale, "bytes_minimum": 30 * MIB * scale,
+                    "raw_send_s": 0.1 * scale},
+        }  # fmt: skip
+
+    def elastic_rank(rank: int) -> dict:
+        return {
+            "rank": rank,
+            "shard": 200 * MIB * scale,
+            "old": {"reshard_s": 2.0 * scale, "build_s": 1.0, "total_s": 3.0 * scale, "peak_rss": 2000 * MIB * scale,
+                    "rss_before": 500 * MIB * scale},
+            "new": {"read_s": 0.3 * scale, "build_s": 1.0, "total_s": 1.3 * scale, "peak_rss": 900 * MIB * scale,
+                    "rss_before": 500 * MIB * scale, "read_peak_rss": 760 * MIB * scale,
+                    "read_rss_before": 500 * MIB * scale},
+        }  # fmt: skip
+
+    return {
+        "resplit": {"params": 1e7 * scale, "ranks": [resplit_rank(r) for r in range(4)]},
+        "elastic": {"ranks": [elastic_rank(r) for r in range(2)]},
+    }
+
+
+def test_rows_take_the_slowest_rank_and_the_worst_peak_against_the_own_shard():
+    rows = _rows("10M", _result(1.0))
+    old, new, elastic_old, elastic_new = rows
+    assert old["time_s"] == 3.5 + 3 and new["time_s"] == 0.7  # the slowest rank's
+    assert old["peak_extra_MiB"] == 500 and old["peak_over_shard"] == 5.0  # rank 0 merges the model
+    assert new["peak_over_shard"] == 0.5 and new["bytes_MiB"] == new["minimum_MiB"] == 30
+    assert old["bytes_MiB"] == 1600  # the disk: written and read
+    assert "x2.0" in new["parts"]  # transfer 0.2 s against a plain send of 0.1 s
+    assert elastic_old["peak_over_shard"] == 7.5 and elastic_new["peak_over_shard"] == 2.0
+    assert "read peak 1.30x own shard" in elastic_new["parts"]
+
+
+def test_plot_draws_and_extrapolates(tmp_path: Path):
+    rows = _rows("10M", _result(1.0)) + _rows("100M", _result(10.0))
+    _plot(rows, tmp_path / "cost.png")
+    assert (tmp_path / "cost.png").stat().st_size > 10_000

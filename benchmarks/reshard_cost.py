@@ -2,6 +2,9 @@
 
     python benchmarks/reshard_cost.py [--sizes 10M,100M,400M] [--name reshard_cost]
 
+(400M needs more than the 24 GiB of a 2-core CI machine: four ranks' engines, and the old engine
+beside the new state while either path runs.)
+
 Two changes, each done both ways in the same processes (so both see the same machine):
 - **re-split one layer** at PP=2 x DP=2 (4 ranks), 8 layers, after one training step (Adam's state
   exists): (a) the old way: every rank saves, rank 0 merges the whole checkpoint per parameter and
@@ -43,28 +46,36 @@ BYTES_PER_PARAM = 16  # fp32 weight, fp32 master, two Adam moments
 
 
 class PeakRSS:
-    """Peak resident memory of this process while the block runs (bytes; sampled every 2 ms)."""
+    """Peak resident memory of this process while the block runs (bytes; sampled every 2 ms): in all
+    (`peak`), and its anonymous part (`peak_anon`: what the process allocated, not the file pages it has
+    mapped, which the kernel can drop)."""
 
     def __enter__(self):
         self.page = os.sysconf("SC_PAGE_SIZE")
-        self.before = self.peak = self._rss()
+        self.before, self.before_anon = self._rss()
+        self.peak, self.peak_anon = self.before, self.before_anon
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
         return self
 
-    def _rss(self) -> int:
+    def _rss(self) -> tuple[int, int]:
         with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * self.page
+            _, resident, shared, *_ = (int(x) * self.page for x in f.read().split())
+        return resident, resident - shared
 
     def _sample(self) -> None:
         while not self._stop.wait(0.002):
-            self.peak = max(self.peak, self._rss())
+            self._update()
+
+    def _update(self) -> None:
+        total, anon = self._rss()
+        self.peak, self.peak_anon = max(self.peak, total), max(self.peak_anon, anon)
 
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, self._rss())
+        self._update()
 
 
 def _args(hidden: int, heads: int, out: Path, pp: int = 2) -> list[str]:
@@ -109,7 +120,7 @@ def _raw_send_s(plan, rank: int, itemsize: dict) -> float:
     ops = []
     for (src, dst), size in sorted(pairs.items()):
         if rank == src:
-            ops.append(dist.P2POp(dist.isend, torch.empty(size, dtype=torch.uint8), dst))
+            ops.append(dist.P2POp(dist.isend, torch.zeros(size, dtype=torch.uint8), dst))
         elif rank == dst:
             ops.append(dist.P2POp(dist.irecv, torch.empty(size, dtype=torch.uint8), src))
     dist.barrier()
@@ -163,7 +174,7 @@ def worker_resplit(hidden: int, heads: int, out: Path) -> None:
     # (b) the plan's way: 5,3 -> 4,4, the layer moves rank to rank
     m = cfg.model
     params = live_params(trainer.engine.module, trainer.layout, (5, 3), m.activation == "swiglu", True)
-    lay = Layout(2, 2, trainer.layout.dp_size, (5, 3))
+    lay = Layout(trainer.layout.tp_size, 2, trainer.layout.dp_size, (5, 3))
     plan = reshard_plan(params, lay, dataclasses.replace(lay, split=(4, 4)))
     itemsize = dict.fromkeys(KEYS, 4)
     raw_s = _raw_send_s(plan, trainer.layout.rank, itemsize)
@@ -179,7 +190,7 @@ def worker_resplit(hidden: int, heads: int, out: Path) -> None:
         t_done = time.perf_counter()
     cost = trainer.last_resplit
     new = {
-        "transfer_s": cost.transfer_s, "build_s": cost.build_s, "total_s": t_done - t0,
+        "plan_s": cost.plan_s, "transfer_s": cost.transfer_s, "build_s": cost.build_s, "total_s": t_done - t0,
         "peak_rss": rss_b.peak, "rss_before": rss_b.before, "bytes_moved": cost.bytes_moved,
         "bytes_minimum": plan.bytes_moved(itemsize), "raw_send_s": raw_s,
     }  # fmt: skip
@@ -236,7 +247,7 @@ def worker_elastic(hidden: int, heads: int, out: Path) -> None:
     new = {
         "read_s": t_read - t0, "build_s": t_done - t_read, "total_s": t_done - t0,
         "read_peak_rss": rss_read.peak, "read_rss_before": rss_read.before, "peak_rss": max(rss_b.peak, rss_read.peak),
-        "rss_before": rss_read.before,
+        "rss_before": rss_read.before, "read_peak_anon": rss_read.peak_anon, "read_anon_before": rss_read.before_anon,
     }  # fmt: skip
     rows = _gather({"rank": layout.rank, "old": old, "new": new, "shard": shard})
     if layout.rank == 0:
@@ -283,7 +294,7 @@ def _rows(size: str, result: dict) -> list[dict]:
     rows.append({
         "size": size, "params_M": params / 1e6, "change": "re-split 1 layer", "path": "plan (rank to rank)",
         "time_s": max(r["new"]["total_s"] for r in ranks),
-        "parts": f"transfer {transfer:.2f} (plain send {raw:.2f}: x{transfer / raw:.1f}) + build {max(r['new']['build_s'] for r in ranks):.2f}",
+        "parts": f"plan {max(r['new']['plan_s'] for r in ranks):.2f} + transfer {transfer:.2f} (plain send {raw:.2f}: x{transfer / raw:.1f}) + build {max(r['new']['build_s'] for r in ranks):.2f}",
         "peak_extra_MiB": new_peak / mib, "shard_MiB": shard / mib, "peak_over_shard": new_peak / shard,
         "bytes_MiB": moved / mib, "minimum_MiB": minimum / mib,
     })  # fmt: skip
@@ -304,7 +315,11 @@ def _rows(size: str, result: dict) -> list[dict]:
         })  # fmt: skip
     for r in eranks:  # the read alone: what the rank holds beyond its process before the read
         r["read_over_shard"] = (r["new"]["read_peak_rss"] - r["new"]["read_rss_before"]) / r["shard"]
-    rows[-1]["parts"] += f" (read peak {max(r['read_over_shard'] for r in eranks):.2f}x own shard)"
+        r["read_anon_over_shard"] = (r["new"]["read_peak_anon"] - r["new"]["read_anon_before"]) / r["shard"]
+    rows[-1]["parts"] += (
+        f" (read peak {max(r['read_over_shard'] for r in eranks):.2f}x own shard, allocated "
+        f"{max(r['read_anon_over_shard'] for r in eranks):.2f}x, the rest mapped file pages)"
+    )
     return rows
 
 
@@ -379,13 +394,12 @@ def main() -> None:
     rows, raw = [], {}
     for size in sizes:
         shutil.rmtree(work / size, ignore_errors=True)
-        raw[size] = _run(size, work / size)
+        try:
+            raw[size] = _run(size, work / size)
+        finally:  # the checkpoints: large (20 GB at 400M), and re-made by a rerun
+            for folder in ("ck", "old_resplit", "old_elastic"):
+                shutil.rmtree(work / size / folder, ignore_errors=True)
         rows += _rows(size, raw[size])
-        shutil.rmtree(
-            work / size / "ck", ignore_errors=True
-        )  # the checkpoints: large, and re-made by a rerun
-        for folder in ("old_resplit", "old_elastic"):
-            shutil.rmtree(work / size / folder, ignore_errors=True)
     columns = ["size", "params_M", "change", "path", "time_s", "parts", "peak_extra_MiB", "shard_MiB",
                "peak_over_shard", "bytes_MiB", "minimum_MiB"]  # fmt: skip
     save_results(args.name, rows, columns, {"sizes": sizes, "raw": raw})

@@ -20,6 +20,9 @@ megahet/runtime/state_move.py moves them).
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -126,10 +129,35 @@ def read_per_parameter_state(
     return out
 
 
+def _libc():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc if hasattr(libc, "madvise") and sys.platform.startswith("linux") else None
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+_MADV_DONTNEED = 4  # Linux: drop the pages from this process (a file mapping's are read again on access)
+
+
+def release_pages(view: torch.Tensor) -> None:
+    """Drop the pages under `view`, a read-only view of a memory-mapped file (torch.load(mmap=True)), from
+    this process's memory: they stay in the page cache and are read again if touched. Linux only; a
+    no-op elsewhere."""
+    if _LIBC is None or view.numel() == 0:
+        return
+    page = mmap.PAGESIZE
+    start = view.data_ptr() // page * page
+    stop = view.data_ptr() + view.numel() * view.element_size()
+    _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), _MADV_DONTNEED)
+
+
 def read_planned_state(folder: Path, params: Sequence[Param], plan: ReshardPlan, rank: int, dtypes) -> Flat:
     """New `rank`'s state under `plan` (made with keep=False: it holds nothing yet), read from the old
-    ranks' files in `folder`: memory-mapped, one old rank at a time, copying only its runs, so that the
-    rank's memory holds its own new state and one source's pages of it at most."""
+    ranks' files in `folder`: memory-mapped, one old rank at a time, copying only its runs and dropping
+    the file pages it read once copied, so that the rank's memory holds its own new state and little
+    more."""
     after = rank_holdings(params, plan.new, rank, plan.blocks)
     new = {k: empty_like_holding(h, dtypes[k[1]]) for k, h in after.items()}
     by_source: dict[int, list] = {}
@@ -141,6 +169,7 @@ def read_planned_state(folder: Path, params: Sequence[Param], plan: ReshardPlan,
         for t in transfers:
             k = (t.name, t.key)
             put(new[k], after[k], t.runs, take(old[k], held[k], t.runs))
+            release_pages(old[k])
         del old  # unmaps the source's files
     return new
 

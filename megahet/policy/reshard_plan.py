@@ -378,21 +378,25 @@ class ReshardPlan:
         return list(dict.fromkeys(t.name for t in self.transfers))
 
 
-def _source_order(old: Layout, dp: int, tp: int, holder: tuple[int, Holding]) -> tuple:
+def _source_order(
+    old: Layout, dp: int, tp: int, load: Mapping[int, int], holder: tuple[int, Holding]
+) -> tuple:
     """Sort key of an old holder for a new rank at DP replica `dp` and TP rank `tp`: originals before the
-    tied copy, then the same TP rank (replicated tensors), then the old replica `dp` maps to (dp mod old
-    DP), then the lower rank."""
+    tied copy, then the same TP rank (replicated tensors), then the holder it already takes the fewest
+    elements from (`load`: its reads or receives spread over the holders), then the old replica `dp`
+    maps to (dp mod old DP), then the lower rank."""
     src, held = holder
     d, _, t = old.coords(src)
-    return (held.copy, t != tp, (d - dp) % old.dp, src)
+    return (held.copy, t != tp, load.get(src, 0), (d - dp) % old.dp, src)
 
 
 def reshard_plan(params: Sequence[Param], old: Layout, new: Layout, keep: bool = True) -> ReshardPlan:
     """The minimal transfers from layout `old` to layout `new` of every key of every tensor of the model
     `params` (the same tensors and shapes in both). A new rank receives only what it does not hold in
-    the old layout; each missing run comes from one holder: the original rather than the tied copy, and
-    among the DP replicas of the old layout the one this rank's replica maps to (d mod old DP), so that
-    replicas read from different ranks. `keep=False`: the new ranks hold nothing yet (a restart in new
+    the old layout; each missing run comes from one holder: the original rather than the tied copy, its
+    own TP rank's copy of a replicated tensor, and among the DP replicas that hold a weight, the one it
+    takes least from so far (then the one its replica maps to, d mod old DP): a rank's reads spread over
+    its sources, and replicas read from different ranks. `keep=False`: the new ranks hold nothing yet (a restart in new
     processes reads everything from the old ranks' files). ValueError when an element has no holder (not
     the same model)."""
     layers = 1 + max((p.layer for p in params if p.layer is not None), default=-1)
@@ -413,18 +417,20 @@ def reshard_plan(params: Sequence[Param], old: Layout, new: Layout, keep: bool =
     kept = dict.fromkeys(KEYS, 0)
     for r in range(new.world):
         d, _, t = new.coords(r)
+        load: dict[int, int] = {}  # elements r takes from each old rank so far
         for (name, key), h in rank_holdings(params, new, r, blocks).items():
             need = h.runs
             had = before.get(r, {}).get((name, key)) if keep else None
             if had is not None:
                 need = subtract(need, had.runs)
                 kept[key] += size(h.runs) - size(need)
-            order = functools.partial(_source_order, old, d, t)
+            order = functools.partial(_source_order, old, d, t, load)
             for src, held in sorted(holders.get((name, key), []), key=order):
                 if not len(need):
                     break
                 piece = intersect(need, held.runs)
                 transfers += [Transfer(src, r, name, key, int(a), int(b)) for a, b in piece]
+                load[src] = load.get(src, 0) + size(piece)
                 need = subtract(need, piece)
             if len(need):
                 raise ValueError(

@@ -178,7 +178,7 @@ class PipelineBalancer(MeasuringHook):
         last = self.last_cost
         if last is not None:
             per_layer = last.transfer_s / max(last.layers_moved, 1)
-            cost = predicted_resplit_cost(last.build_s, per_layer, layers)
+            cost = predicted_resplit_cost(last.plan_s + last.build_s, per_layer, layers)
             source = "measured by the last re-split"
         else:
             cost = predicted_resplit_cost(self.ctx.build_s, 0.0, layers)

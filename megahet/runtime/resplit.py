@@ -19,9 +19,10 @@ calls it between two steps, in the same processes and process groups).
    shares, the TP balancer's speed samples and per-rank work fractions).
 
 A kill during a move loses nothing: no checkpoint is written or changed, and the job resumes from its
-last complete one. The move's cost is measured in two parts and logged (`resplit_s`,
-`resplit_transfer_s`: the plan and the exchange; `resplit_build_s`: freeing, rebuilding and loading),
-with the bytes moved (`resplit_bytes`); the pipeline balancer weighs the next re-split against it.
+last complete one. The move's cost is measured in three parts and logged (`resplit_s`; `resplit_plan_s`: the parameter
+list, the plan and the engine's state; `resplit_transfer_s`: the runs that change rank;
+`resplit_build_s`: the local copy of what each rank keeps, freeing, rebuilding and loading), with the
+bytes moved (`resplit_bytes`); the pipeline balancer weighs the next re-split against it.
 
     trainer = resplit(trainer, rebuild)     # rebuild(plan, restore, resplits) -> Trainer
 """
@@ -37,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from megahet.checkpointing import checkpoint
-from megahet.checkpointing.state_slices import engine_state, load_engine_state
+from megahet.checkpointing.state_slices import engine_state, keep, load_engine_state
 from megahet.compat import deepspeed_zero as zero
 from megahet.platform import cuda_available, device
 from megahet.policy.reshard_plan import (
@@ -56,9 +57,12 @@ from megahet.runtime.state_move import exchange
 
 @dataclasses.dataclass(frozen=True)
 class ResplitCost:
-    """A measured re-split: its transfer part (plan + exchange), its fixed part (free, rebuild, load) and
-    the bytes it moved (what the pipeline balancer's next decision weighs)."""
+    """A measured re-split (each part the slowest rank's): planning (the parameter list, the plan, the
+    engine's state), the transfer (the runs that change rank), the rebuild (the local copy of what each
+    rank keeps, free, build, load: it grows with the stage, not with what moves), and the bytes moved;
+    what the pipeline balancer's next decision weighs."""
 
+    plan_s: float
     transfer_s: float
     build_s: float
     bytes_moved: int
@@ -66,7 +70,7 @@ class ResplitCost:
 
     @property
     def total_s(self) -> float:
-        return self.transfer_s + self.build_s
+        return self.plan_s + self.transfer_s + self.build_s
 
 
 def _free(trainer) -> None:
@@ -97,6 +101,7 @@ def resplit(trainer, rebuild: Callable[[RunPlan, Callable, int], object]):
     plan, layout, logger, engine = trainer.plan, trainer.layout, trainer.logger, trainer.engine
     cfg, old_split, step = plan.cfg, plan.split, trainer.iteration
     new_plan = plan.with_split(trainer.pending_split)
+    dist.barrier()  # ranks leave the step at different times: the move's cost starts when all are here
     t0 = time.perf_counter()
     model = engine.module
     m = cfg.model
@@ -113,8 +118,12 @@ def resplit(trainer, rebuild: Callable[[RunPlan, Callable, int], object]):
     adam = (zero.adam_step(engine.optimizer), [g["lr"] for g in inner.param_groups])
     schedule = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
     global_steps, progress = engine.global_steps, trainer.progress()
-    state = exchange(moves, layout.rank, before, after, engine_state(engine, before), dtypes, weight.device)
+    t_planned = time.perf_counter()
+    held = engine_state(engine, before)
+    state = exchange(moves, layout.rank, before, after, held, dtypes, weight.device, keep_local=False)
     t_moved = time.perf_counter()
+    keep(held, before, after, state)  # the rest of the stage's state: a local copy, as large as the stage
+    del held
     rng = checkpoint.rng_states()
     carried = {type(h).__name__: h.state_dict() for h in trainer.step_hooks if h.split_free}
     resplits = 1 + max((getattr(h, "resplits", 0) for h in trainer.step_hooks), default=0)
@@ -140,22 +149,24 @@ def resplit(trainer, rebuild: Callable[[RunPlan, Callable, int], object]):
             hook.carry(carried[type(hook).__name__])
     # Every rank weighs the next re-split against the same cost (the slowest rank's): ranks that decided
     # differently would wait for each other in the move forever.
-    parts = torch.tensor([t_moved - t0, time.perf_counter() - t_moved], dtype=torch.float64, device=device())
+    seconds = [t_planned - t0, t_moved - t_planned, time.perf_counter() - t_moved]
+    parts = torch.tensor(seconds, dtype=torch.float64, device=device())
     dist.all_reduce(parts, op=dist.ReduceOp.MAX)
     itemsize = {key: dtypes[key].itemsize for key in KEYS}
     moved = layers_moved(old_split, new_plan.split)
-    cost = ResplitCost(float(parts[0]), float(parts[1]), moves.bytes_moved(itemsize), moved)
+    cost = ResplitCost(float(parts[0]), float(parts[1]), float(parts[2]), moves.bytes_moved(itemsize), moved)
     new_trainer.last_resplit = cost
     for hook in new_trainer.step_hooks:
         hook.resplit_done(cost)
     logger.print(
         f"megahet: re-split the pipeline stages {old_split} -> {new_plan.split} after step {step} in "
-        f"{cost.total_s:.2f} s: moved {cost.bytes_moved / 2**20:.1f} MiB of weights and optimizer state rank "
-        f"to rank in {cost.transfer_s:.2f} s ({len(moves.tensors_moved())} tensors), rebuilt the stages and "
-        f"loaded it in {cost.build_s:.2f} s"
+        f"{cost.total_s:.2f} s: planned in {cost.plan_s:.2f} s, moved {cost.bytes_moved / 2**20:.1f} MiB of "
+        f"weights and optimizer state rank to rank in {cost.transfer_s:.2f} s ({len(moves.tensors_moved())} "
+        f"tensors), rebuilt the stages and loaded it in {cost.build_s:.2f} s"
     )
     metrics = {
         "resplit_s": cost.total_s,
+        "resplit_plan_s": cost.plan_s,
         "resplit_transfer_s": cost.transfer_s,
         "resplit_build_s": cost.build_s,
         "resplit_bytes": float(cost.bytes_moved),

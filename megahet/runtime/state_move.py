@@ -6,7 +6,7 @@ A rank's state of one (tensor, key) is a flat tensor (megahet/checkpointing/stat
 put, keep; `apply_plan` runs a whole plan in one process).
 
 - `exchange` runs this rank's part of a plan over the process group: it keeps what it holds, sends the
-  runs it is the source of and receives the runs it needs, one message per peer and dtype
+  runs it is the source of and receives the runs it needs, one message per transfer
   (`torch.distributed.batch_isend_irecv`), on the device the state lives on.
 - the engine's side (`engine_state`, `load_engine_state`) is in megahet/checkpointing/state_slices.py.
 
@@ -15,21 +15,13 @@ put, keep; `apply_plan` runs a whole plan in one process).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 
 from megahet.checkpointing.state_slices import Flat, empty_like_holding, keep, put, take
-from megahet.policy.reshard_plan import WEIGHT, ReshardPlan, State, Transfer
-
-
-def _by_peer(transfers: Sequence[Transfer], peer_of) -> dict[tuple[int, bool], list[Transfer]]:
-    """Transfers grouped by (peer, weights?): one message per peer and dtype, in plan order."""
-    out: dict[tuple[int, bool], list[Transfer]] = {}
-    for t in transfers:
-        out.setdefault((peer_of(t), t.key == WEIGHT), []).append(t)
-    return out
+from megahet.policy.reshard_plan import ReshardPlan, State, local_ranges
 
 
 def exchange(
@@ -40,28 +32,39 @@ def exchange(
     old: Flat,
     dtypes: Mapping[str, torch.dtype],
     device: torch.device | str = "cpu",
+    keep_local: bool = True,
 ) -> Flat:
-    """This rank's new state under `plan` (every rank of the group calls it with the same plan): what it
-    keeps of `old` (its flat tensors of `before`), and the runs it receives; it sends the runs others
-    need from it. Returns the flat tensors of `after` on `device`."""
+    """This rank's new state under `plan` (every rank of the group calls it with the same plan): the runs
+    it receives, and (`keep_local`) what it keeps of `old` (its flat tensors of `before`); it sends the
+    runs others need from it. Returns the flat tensors of `after` on `device` (without `keep_local`,
+    the runs it kept are still to be copied: `keep`).
+
+    One message per transfer, sent from a view of the old state and received straight into the new
+    state where the run is contiguous there (no packing); messages between two ranks match in plan
+    order."""
+    ranks = max(plan.old.world, plan.new.world)
+    if ranks > dist.get_world_size():  # gloo would write to ranks that do not exist
+        raise ValueError(
+            f"the reshard plan spans {ranks} ranks, the process group has {dist.get_world_size()}"
+        )
     new = {k: empty_like_holding(h, dtypes[k[1]], device) for k, h in after.items()}
-    keep(old, before, after, new)
-    ops, received = [], []
-    for (dst, weights), group in _by_peer(plan.sent_by(rank), lambda t: t.dst).items():
-        payload = torch.cat([take(old[(t.name, t.key)], before[(t.name, t.key)], t.runs) for t in group])
-        ops.append(dist.P2POp(dist.isend, payload.contiguous(), dst, tag=int(weights)))
-    for (src, weights), group in _by_peer(plan.received_by(rank), lambda t: t.src).items():
-        dtype = dtypes[group[0].key]
-        buffer = torch.empty(sum(t.numel for t in group), dtype=dtype, device=device)
-        ops.append(dist.P2POp(dist.irecv, buffer, src, tag=int(weights)))
-        received.append((group, buffer))
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
-    for group, buffer in received:
-        at = 0
-        for t in group:
-            k = (t.name, t.key)
-            put(new[k], after[k], t.runs, buffer[at : at + t.numel])
-            at += t.numel
+    ops, scattered = [], []
+    for t in plan.sent_by(rank):
+        k = (t.name, t.key)
+        ops.append(dist.P2POp(dist.isend, take(old[k], before[k], t.runs).contiguous(), t.dst))
+    for t in plan.received_by(rank):
+        k = (t.name, t.key)
+        ranges = local_ranges(after[k], t.runs)
+        if len(ranges) == 1:  # straight into the new state
+            buffer = new[k][ranges[0, 0] : ranges[0, 1]]
+        else:
+            buffer = torch.empty(t.numel, dtype=dtypes[t.key], device=device)
+            scattered.append((t, buffer))
+        ops.append(dist.P2POp(dist.irecv, buffer, t.src))
+    for request in dist.batch_isend_irecv(ops) if ops else []:
+        request.wait()
+    if keep_local:
+        keep(old, before, after, new)
+    for t, buffer in scattered:
+        put(new[(t.name, t.key)], after[(t.name, t.key)], t.runs, buffer)
     return new

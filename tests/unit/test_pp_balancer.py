@@ -89,9 +89,9 @@ def test_a_resplit_must_pay_its_cost_within_the_horizon():
     _feed(balancer, 0, [1.0, 2.0])
     _feed(balancer, 1, [1.0, 2.0])
     assert requests == [(5, 3)] and "re-splitting" in said[-1]
-    # measured: rebuild 30 s, transfer 20 s for 2 layers -> 5,3 (one layer) costs 40 s: pays over 10 steps
+    # measured: plan 5 s, rebuild 25 s, transfer 20 s for 2 layers -> 5,3 (one layer) costs 40 s: pays over 10 steps
     balancer, requests = _balancer("--hetero.resplit_horizon", "10", build_s=100.0, said=said)
-    balancer.resplit_done(types.SimpleNamespace(build_s=30.0, transfer_s=20.0, layers_moved=2))
+    balancer.resplit_done(types.SimpleNamespace(plan_s=5.0, build_s=25.0, transfer_s=20.0, layers_moved=2))
     _feed(balancer, 0, [1.0, 2.0])
     _feed(balancer, 1, [1.0, 2.0])
     assert requests == [(5, 3)] and "cost 40.00 s (measured by the last re-split)" in said[-1]

@@ -28,7 +28,7 @@ def _result(scale: float) -> dict:
             "old": {"save_s": 1.0 * scale, "reshard_s": 2.0 * scale, "build_s": 0.5, "total_s": 3.5 * scale + rank,
                     "peak_rss": (1000 + 400 * (rank == 0)) * MIB * scale, "rss_before": 900 * MIB * scale,
                     "disk_bytes": 800 * MIB * scale},
-            "new": {"transfer_s": 0.2 * scale, "build_s": 0.5, "total_s": 0.7 * scale, "peak_rss": 950 * MIB * scale,
+            "new": {"plan_s": 0.05, "transfer_s": 0.2 * scale, "build_s": 0.5, "total_s": 0.7 * scale, "peak_rss": 950 * MIB * scale,
                     "rss_before": 900 * MIB * scale, "bytes_moved": 30 * MIB * scale, "bytes_minimum": 30 * MIB * scale,
                     "raw_send_s": 0.1 * scale},
         }  # fmt: skip
@@ -41,7 +41,8 @@ def _result(scale: float) -> dict:
                     "rss_before": 500 * MIB * scale},
             "new": {"read_s": 0.3 * scale, "build_s": 1.0, "total_s": 1.3 * scale, "peak_rss": 900 * MIB * scale,
                     "rss_before": 500 * MIB * scale, "read_peak_rss": 760 * MIB * scale,
-                    "read_rss_before": 500 * MIB * scale},
+                    "read_rss_before": 500 * MIB * scale, "read_peak_anon": 700 * MIB * scale,
+                    "read_anon_before": 500 * MIB * scale},
         }  # fmt: skip
 
     return {
@@ -59,7 +60,7 @@ def test_rows_take_the_slowest_rank_and_the_worst_peak_against_the_own_shard():
     assert old["bytes_MiB"] == 1600  # the disk: written and read
     assert "x2.0" in new["parts"]  # transfer 0.2 s against a plain send of 0.1 s
     assert elastic_old["peak_over_shard"] == 7.5 and elastic_new["peak_over_shard"] == 2.0
-    assert "read peak 1.30x own shard" in elastic_new["parts"]
+    assert "read peak 1.30x own shard, allocated 1.00x" in elastic_new["parts"]
 
 
 def test_plot_draws_and_extrapolates(tmp_path: Path):

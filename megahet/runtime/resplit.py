@@ -8,9 +8,10 @@ calls it between two steps, in the same processes and process groups).
    from the old split to the new: for every rank, which runs of which tensors it needs (weights, fp32
    masters, Adam moments: ZeRO fragments included) and which old rank holds them.
 2. `exchange` (megahet/runtime/state_move.py) moves them over the world's process group, one message
-   per peer and dtype, on the device the state lives on: the layers that change stage, with their
-   optimizer state, and the ZeRO fragments whose DP owner changes because a stage's flat partition
-   grew or shrank. Nothing is written to disk, and no rank gathers the model.
+   per run, on the device the state lives on: the layers that change stage, with their optimizer
+   state, and the ZeRO fragments whose DP owner changes because a stage's flat partition grew or
+   shrank. Nothing is written to disk, and no rank gathers the model. Each rank then copies what it
+   keeps (`keep`).
 3. The old engine and stage modules are freed; every rank builds its stage for the new split and a new
    DeepSpeed engine, and writes the state it now holds into it (`load_engine_state`), with Adam's step,
    the learning rates, the LR schedule and the engine's step count.

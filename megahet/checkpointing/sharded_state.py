@@ -41,6 +41,7 @@ from megahet.policy.reshard_plan import (
     Layout,
     Param,
     ReshardPlan,
+    State,
     decays,
     rank_holdings,
     stage_params,
@@ -77,14 +78,21 @@ def _stage_order(params: Sequence[Param], layout: Layout, stage: int) -> list[li
 
 
 def read_rank_state(
-    folder: Path, params: Sequence[Param], layout: Layout, rank: int, blocks: int, mmap: bool = False
+    folder: Path,
+    params: Sequence[Param],
+    layout: Layout,
+    rank: int,
+    blocks: int,
+    mmap: bool = False,
+    holding: State | None = None,
 ) -> Flat:
     """`rank`'s weights and ZeRO fragments from the DeepSpeed checkpoint `folder` saved at `layout`
     (reads that rank's model states file and its own ZeRO file only; `mmap`: memory-mapped, so that only
-    the pages of the elements later read are loaded)."""
+    the pages of the elements later read are loaded; `holding`: the rank's holdings, if the caller has
+    them already)."""
     d, stage, t = layout.coords(rank)
     mp = stage * layout.tp + t
-    holding = rank_holdings(params, layout, rank, blocks)
+    holding = rank_holdings(params, layout, rank, blocks) if holding is None else holding
     states = load_file(folder / model_states_file(mp), mmap=mmap)
     order = [list(group) for group in states["param_shapes"]]
     if order != _stage_order(params, layout, stage):
@@ -165,7 +173,7 @@ def read_planned_state(folder: Path, params: Sequence[Param], plan: ReshardPlan,
         by_source.setdefault(t.src, []).append(t)
     for src, transfers in sorted(by_source.items()):
         held = rank_holdings(params, plan.old, src, plan.blocks)
-        old = read_rank_state(folder, params, plan.old, src, plan.blocks, mmap=True)
+        old = read_rank_state(folder, params, plan.old, src, plan.blocks, mmap=True, holding=held)
         for t in transfers:
             k = (t.name, t.key)
             put(new[k], after[k], t.runs, take(old[k], held[k], t.runs))

@@ -119,11 +119,16 @@ def engine_state(engine, holdings: State) -> Flat:
             )
         if fragment is None or hi == lo:
             out[(name, key)] = torch.zeros(0, dtype=torch.float32, device=param.device)
-        elif key == "fp32":
-            out[(name, key)] = zero.fragment_master(fragment)
         else:
-            out[(name, key)] = zero.fragment_optimizer_state(fragment, engine.optimizer)[key]
+            out[(name, key)] = _fragment_view(fragment, key, engine.optimizer)
     return out
+
+
+def _fragment_view(fragment, key: str, optimizer) -> torch.Tensor:
+    """The ZeRO fragment's flat view of optimizer key `key`: its fp32 master or an Adam moment."""
+    if key == "fp32":
+        return zero.fragment_master(fragment)
+    return zero.fragment_optimizer_state(fragment, optimizer)[key]
 
 
 def load_engine_state(engine, holdings: State, flat: Flat, step: int, lrs: list[float] | None) -> None:
@@ -148,7 +153,4 @@ def load_engine_state(engine, holdings: State, flat: Flat, step: int, lrs: list[
                 continue
             if zero.fragment_range(fragment) != (h.lo, h.hi):
                 raise ValueError(f"{h.local_name}: the new engine's ZeRO fragment is not the plan's")
-            if key == "fp32":
-                zero.fragment_master(fragment).copy_(values)
-            else:
-                zero.fragment_optimizer_state(fragment, engine.optimizer)[key].copy_(values)
+            _fragment_view(fragment, key, engine.optimizer).copy_(values)

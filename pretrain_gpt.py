@@ -157,7 +157,9 @@ def build_packed(
         cost=DocCost(*parse_doc_cost(d.doc_cost)) if d.doc_cost else DEFAULT_COST, **batch,
     )  # fmt: skip
     return Task(
-        model=build_gpt(cfg, tokenizer.vocab_size, split=layout.stage_layers),
+        model=build_gpt(
+            cfg, tokenizer.vocab_size, split=layout.stage_layers, initialize=not layout.weights_loaded
+        ),
         vocab_size=tokenizer.vocab_size,
         tokenizer_model=tokenizer_model,
         seq_length=max(caps),
@@ -189,7 +191,9 @@ def build(cfg: MegahetConfig, layout: ParallelLayout) -> Task:
     )
     sampling = {"micro_batch_size": t.micro_batch_size, "dp_rank": layout.dp_rank, "dp_size": layout.dp_size}
     return Task(
-        model=build_gpt(cfg, tokenizer.vocab_size, split=layout.stage_layers),
+        model=build_gpt(
+            cfg, tokenizer.vocab_size, split=layout.stage_layers, initialize=not layout.weights_loaded
+        ),
         vocab_size=tokenizer.vocab_size,
         tokenizer_model=tokenizer_model,
         seq_length=cfg.model.seq_length,

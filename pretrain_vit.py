@@ -81,7 +81,7 @@ def preflight(cfg: MegahetConfig) -> None:
 
 def build(cfg: MegahetConfig, layout: ParallelLayout) -> Task:
     t = cfg.train
-    model = build_vit(cfg, split=layout.stage_layers)
+    model = build_vit(cfg, split=layout.stage_layers, initialize=not layout.weights_loaded)
     train_set, valid_set = MnistSplit("train"), MnistSplit("valid")
     sampling = {"micro_batch_size": t.micro_batch_size, "dp_rank": layout.dp_rank, "dp_size": layout.dp_size}
     return Task(

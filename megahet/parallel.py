@@ -46,6 +46,10 @@ class ParallelLayout:
     stage_layers: tuple[int, ...] | None = None
     """Layers per pipeline stage of the run (its plan's split, megahet/run_plan.py); None: as the
     configuration gives them (parallel.stage_layers, or even)."""
+    weights_loaded: bool = False
+    """Every weight of this rank's stage is overwritten right after the build by a loaded or moved state
+    (a resume, a re-split, an elastic restart): the model builders then skip initializing them
+    (megahet/models/common.py `skip_init`), the CPU work of a stage's build that grows with it."""
 
     @property
     def is_first_stage(self) -> bool:

@@ -84,7 +84,8 @@ def build_trainer(
     count of re-splits and the caller's `extra_hooks`, which run after megahet's, and `restore`s the
     state it moved: restore(trainer) -> (progress, what was restored))."""
     cfg = plan.cfg
-    layout = dataclasses.replace(layout, stage_layers=plan.split)
+    loaded = resume is not None or restore is not None  # every weight is overwritten: skip their init
+    layout = dataclasses.replace(layout, stage_layers=plan.split, weights_loaded=loaded)
     t_build = time.perf_counter()
     task = spec.build(cfg, layout)
     engine = build_engine(cfg, task.model, layout.dp_size, dict(plan.user_ds))

@@ -46,7 +46,25 @@ def has_fused_softmax_kernel() -> bool:
         return False
 
 
-def transformer_config(cfg: MegahetConfig, split: Sequence[int] | None = None) -> TransformerConfig:
+_INIT_METHODS = ("init_method", "output_layer_init_method", "embedding_init_method")
+
+
+def skip_init(weight: torch.Tensor) -> None:
+    """An init method that leaves the weight as allocated, for a stage whose state is loaded right after its
+    build. megatron-core's own initialization path still runs around it: that path also marks each TP
+    weight's partition (`tensor_model_parallel`, `partition_dim`), which megatron-core 0.16 skips under
+    `perform_initialization=False`; DeepSpeed's gradient norm would then count those weights once per TP
+    group instead of once per rank."""
+
+
+def initializes(config: TransformerConfig) -> bool:
+    """Whether a model built from `config` initializes its weights (false: it is built to be loaded)."""
+    return config.init_method is not skip_init
+
+
+def transformer_config(
+    cfg: MegahetConfig, split: Sequence[int] | None = None, initialize: bool = True
+) -> TransformerConfig:
     """megatron-core's TransformerConfig for this run: fused CUDA kernels only where CUDA exists, and
     uneven pipeline stages (`split`: the run's layers per stage, default parallel.stage_layers or even)
     as a `pipeline_model_parallel_layout`.
@@ -55,6 +73,9 @@ def transformer_config(cfg: MegahetConfig, split: Sequence[int] | None = None) -
     its fused kernel (`fusions/fused_bias_gelu.bias_gelu`) *is* the tanh approximation; without
     fusion the activation is applied as given, so the CPU path names the tanh GELU itself. A model
     without linear biases (model.add_bias_linear false) has no bias to fuse: it names the tanh GELU too.
+
+    `initialize` false: the weights are left as allocated (`skip_init` as every init method), for a stage
+    whose state is loaded right after the build (ParallelLayout.weights_loaded).
     """
     m, p = cfg.model, cfg.parallel
     split = stage_split(cfg) if split is None else split
@@ -89,6 +110,9 @@ def transformer_config(cfg: MegahetConfig, split: Sequence[int] | None = None) -
         # Initialize every weight from its full (unsharded) master on the CPU, so a model is the
         # same function of the seed whatever its TP size.
         use_cpu_initialization=True,
+        # A stage built to be loaded: megatron-core's initialization path runs with methods that leave the
+        # weights as allocated (it also marks the TP weights' partition, which perform_initialization=False skips).
+        **({} if initialize else {name: skip_init for name in _INIT_METHODS}),
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=cfg.train.precision == "bf16",

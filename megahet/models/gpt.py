@@ -29,11 +29,13 @@ def build_gpt(
     vocab_size: int,
     layer_spec: ModuleSpec | None = None,
     split: Sequence[int] | None = None,
+    initialize: bool = True,
 ) -> GPTModel:
-    """The GPT stage of this rank (pre/post-process from its pipeline position)."""
+    """The GPT stage of this rank (pre/post-process from its pipeline position); `initialize` false: its
+    weights are left uninitialized, to be loaded (pass `not layout.weights_loaded`)."""
     m = cfg.model
     return GPTModel(
-        config=transformer_config(cfg, split),
+        config=transformer_config(cfg, split, initialize),
         transformer_layer_spec=layer_spec or default_layer_spec(cfg),
         vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, cfg.parallel.tp),
         max_sequence_length=m.seq_length,

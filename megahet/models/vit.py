@@ -23,7 +23,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 
 from megahet.config import MegahetConfig, ModelConfig
-from megahet.models.common import default_layer_spec, transformer_config
+from megahet.models.common import default_layer_spec, initializes, transformer_config
 
 
 class ViTClassifier(MegatronModule):
@@ -41,16 +41,27 @@ class ViTClassifier(MegatronModule):
         self.patch_size = model_cfg.patch_size
         self.num_patches = (model_cfg.image_size // model_cfg.patch_size) ** 2
         h, std = config.hidden_size, config.init_method_std
+        initialize = initializes(config)  # false: the weights are loaded right after the build
+        linear = (
+            torch.nn.Linear
+            if initialize
+            else lambda *shape: torch.nn.utils.skip_init(torch.nn.Linear, *shape)
+        )
         if pre_process:
             patch_dim = model_cfg.in_channels * model_cfg.patch_size**2
-            self.patch_embedding = torch.nn.Linear(patch_dim, h)
+            self.patch_embedding = linear(patch_dim, h)
             self.cls_token = torch.nn.Parameter(torch.zeros(1, 1, h))
-            self.position_embeddings = torch.nn.Parameter(torch.randn(self.num_patches + 1, h) * std)
+            positions = (
+                torch.randn(self.num_patches + 1, h) * std
+                if initialize
+                else torch.empty(self.num_patches + 1, h)
+            )
+            self.position_embeddings = torch.nn.Parameter(positions)
         self.decoder = TransformerBlock(
             config, layer_spec, pre_process=pre_process, post_process=post_process
         )
         if post_process:
-            self.head = torch.nn.Linear(h, model_cfg.num_classes)
+            self.head = linear(h, model_cfg.num_classes)
 
     @property
     def seq_length(self) -> int:
@@ -80,11 +91,15 @@ class ViTClassifier(MegatronModule):
 
 
 def build_vit(
-    cfg: MegahetConfig, layer_spec: ModuleSpec | None = None, split: Sequence[int] | None = None
+    cfg: MegahetConfig,
+    layer_spec: ModuleSpec | None = None,
+    split: Sequence[int] | None = None,
+    initialize: bool = True,
 ) -> ViTClassifier:
-    """The ViT stage of this rank (pre/post-process from its pipeline position)."""
+    """The ViT stage of this rank (pre/post-process from its pipeline position); `initialize` false: its
+    weights are left uninitialized, to be loaded (pass `not layout.weights_loaded`)."""
     return ViTClassifier(
-        transformer_config(cfg, split),
+        transformer_config(cfg, split, initialize),
         cfg.model,
         layer_spec or default_layer_spec(cfg, AttnMaskType.no_mask),
         pre_process=ps.is_pipeline_first_stage(),

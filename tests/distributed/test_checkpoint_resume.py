@@ -152,6 +152,10 @@ def test_resume_continues_the_loss_curve(runs: Path, kind: str) -> None:
             final["tensors"],
             _rank(runs, f"full_{kind}", rank)["tensors"],
         )
+    # the resumed stage was built without initializing its weights (they were loaded), the fresh one with
+    assert (
+        _rank(runs, f"full_{kind}", 0)["initialized"] and not _rank(runs, f"resumed_{kind}", 0)["initialized"]
+    )
     if kind == "plain":  # the killed run logged steps up to its checkpoint at least
         assert max(read_records(runs / "killed.jsonl")) >= start
 
@@ -164,7 +168,7 @@ def test_weights_are_plan_independent(runs: Path, name: str) -> None:
             runs / "ck_plans" / "iter_0000004" / f"mp_rank_{rank:02d}_model_states.pt", weights_only=False
         )
         loaded = _rank(runs, name, rank)
-        assert loaded["iteration"] == 4
+        assert loaded["iteration"] == 4 and not loaded["initialized"]
         module = {k: v for k, v in saved["module"].items() if torch.is_tensor(v)}
         compare("plan_independent", f"{name} weights, rank {rank}", loaded["tensors"], module, rtol=0, atol=0)
 

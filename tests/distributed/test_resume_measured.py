@@ -106,6 +106,20 @@ def test_kill_and_resume_is_exact(runs, job: str) -> None:
     compare_resumed(f"kill_resume_{job}", full, resumed, range(5, STEPS + 1))
 
 
+def test_stages_whose_state_is_loaded_skip_initializing_their_weights(runs) -> None:
+    """A resumed run and a re-split build their stages without initializing the weights (`skip_init`; the
+    state loaded next overwrites all of them); a fresh run that never
+    re-split initializes them. Exactness with it is test_kill_and_resume_is_exact."""
+    out, _ = runs
+    for rank in range(4):
+        built = {name: torch.load(out / f"{name}_rank{rank}.pt")["initialized"] for name in _names()}
+        assert built == {name: name == "full_dp" for name in _names()}, f"rank {rank}: {built}"
+
+
+def _names() -> list[str]:
+    return [f"{run}_{job}" for run in ("full", "ck") for job in JOBS]
+
+
 @pytest.mark.parametrize("job", JOBS)
 def test_final_checkpoint_saves_the_uninterrupted_rng_states(runs, job: str) -> None:
     """Every stream a checkpoint saves is seeded at start and restored on resume, so the final

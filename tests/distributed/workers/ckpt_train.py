@@ -9,7 +9,8 @@ Each run is `setup(cfg, pretrain_gpt.SPEC, extra_hooks)` then `train_to_end`, as
 can SIGKILL the launch between two checkpoints. With --fault NAME:WHEN:RANK (one per torchrun restart
 k: the k-th applies in attempt k) that rank SIGKILLs itself in the middle of step WHEN of run NAME, or,
 with WHEN "move", when the first re-split's state move starts (megahet/runtime/resplit.py). After each run every rank saves its model's tensors
-(local names, after loading and training) as DIR/<run>_rank<R>.pt and {"iteration", "start"} with it.
+(local names, after loading and training) as DIR/<run>_rank<R>.pt and {"iteration", "start", "initialized"}
+with it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from megatron.core import parallel_state as ps
 
 import pretrain_gpt
 from megahet.config import load_config
+from megahet.models.common import initializes
 from megahet.runtime import resplit
 from megahet.runtime.hooks import StepHook
 from megahet.training import setup, train_to_end
@@ -94,7 +96,9 @@ def run(name: str, argv: list[str], out: Path, slow: float, faults: list[str] = 
     tensors = {
         k: v.detach().clone() for k, v in trainer.engine.module.state_dict().items() if torch.is_tensor(v)
     }
-    record = {"iteration": trainer.iteration, "start": start, "tensors": tensors}
+    # whether the last stage built (at the start, a resume or a re-split) initialized its weights
+    initialized = initializes(trainer.task.model.config)
+    record = {"iteration": trainer.iteration, "start": start, "tensors": tensors, "initialized": initialized}
     torch.save(record, out / f"{name}_rank{dist.get_rank()}.pt")
 
 

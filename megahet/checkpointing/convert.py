@@ -37,7 +37,7 @@ import torch
 
 from megahet.checkpointing.checkpoint import TOKENIZER, save_weights_only
 from megahet.checkpointing.finder import LATEST, META
-from megahet.checkpointing.optimizer_state import TENSOR_KEYS, read_zero_state
+from megahet.checkpointing.optimizer_state import TENSOR_KEYS, one_adam_step, read_zero_state
 from megahet.checkpointing.safe_load import load_file
 from megahet.compat.deepspeed_checkpoint import model_states_file, zero_fp32_masters, zero_shard_files
 from megahet.config import ConfigError, ModelConfig
@@ -362,12 +362,8 @@ def _optimizer_stages(
     "lr_scheduler", "global_steps"}."""
     src_tp, src_pp = src["tp"], src["pp"]
     per_rank = [[read_zero_state(folder, p * src_tp + t) for t in range(src_tp)] for p in range(src_pp)]
-    steps = {rank["step"] for stage in per_rank for rank in stage}
-    if len(steps) != 1:
-        raise ConfigError(
-            f"reshard: {folder}: the ZeRO shards were saved at different Adam steps {sorted(steps)}"
-        )
-    step, first = steps.pop(), per_rank[0][0]
+    step = one_adam_step(folder, [rank["step"] for stage in per_rank for rank in stage])
+    first = per_rank[0][0]
     shared = {"step": step, **{k: first[k] for k in ("lr", "lr_scheduler", "global_steps")}}
     out = [[dict(shared) for _ in range(tp)] for _ in range(pp)]
     for key in TENSOR_KEYS:

@@ -16,6 +16,7 @@ is correct for any DP size, ZeRO stage and partitioning.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -53,6 +54,18 @@ def zero_files(folder: Path, mp_rank: int) -> list[Path]:
     return files
 
 
+def one_adam_step(folder: Path, steps: Iterable[int]) -> int:
+    """The one Adam step that the ZeRO partitions of checkpoint `folder` were saved at (`steps`: theirs); a
+    one-line error where they differ (files of two saves mixed in one folder)."""
+    distinct = sorted(set(steps))
+    if len(distinct) != 1:
+        raise ConfigError(
+            f"train.load: {folder}: the ZeRO shards were saved at different Adam steps {distinct}: its files "
+            f"come from more than one save; resume from another checkpoint"
+        )
+    return distinct[0]
+
+
 def read_zero_state(folder: Path, mp_rank: int) -> dict:
     """{"fp32" | "exp_avg" | "exp_avg_sq": {name: full tensor}, "step": Adam's step, "lr": each param
     group's learning rate, "lr_scheduler" / "global_steps": the engine's} of one model-parallel rank,
@@ -61,15 +74,17 @@ def read_zero_state(folder: Path, mp_rank: int) -> dict:
     shapes = model_states["param_shapes"]
     shape_of = {name: shape for group in shapes for name, shape in group.items()}
     fragments: dict[str, dict[str, list[torch.Tensor]]] = {key: {} for key in TENSOR_KEYS}
-    step = None
+    steps: set[int] = set()
     files = zero_files(folder, mp_rank)
     for file in files:
         saved = load_file(file)
-        for fp32, adam, mapping in zero.file_partitions(saved):
-            flat = {"fp32": fp32, "exp_avg": adam["exp_avg"], "exp_avg_sq": adam["exp_avg_sq"]}
-            step = int(adam["step"]) if step is None else step
-            for name, address in mapping.items():  # (numel, start) of the parameter in this partition
-                for key, buffer in flat.items():
+        for partition in zero.file_partitions(saved):
+            steps.add(partition.step)
+            for (
+                name,
+                address,
+            ) in partition.mapping.items():  # (numel, start) of the parameter in this partition
+                for key, buffer in partition.flats.items():
                     fragments[key].setdefault(name, []).append(buffer.narrow(0, address.start, address.numel))
     missing = sorted(set(shape_of) - set(fragments["fp32"]))
     if missing or len(files) != zero.file_partition_count(saved, len(files)):
@@ -78,7 +93,7 @@ def read_zero_state(folder: Path, mp_rank: int) -> dict:
             f"every parameter ({missing[:1] or 'partition count'} missing): the checkpoint is incomplete"
         )
     state: dict = {
-        "step": step,
+        "step": one_adam_step(folder, steps),
         "lr": zero.file_group_lrs(saved),
         "lr_scheduler": model_states.get("lr_scheduler"),
         "global_steps": model_states.get("global_steps"),

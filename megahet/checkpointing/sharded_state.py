@@ -30,7 +30,7 @@ import torch
 
 from megahet.checkpointing.checkpoint import optimizer_file
 from megahet.checkpointing.convert import ShardLayout
-from megahet.checkpointing.optimizer_state import zero_files
+from megahet.checkpointing.optimizer_state import one_adam_step, zero_files
 from megahet.checkpointing.safe_load import load_file
 from megahet.checkpointing.state_slices import Flat, empty_like_holding, put, take
 from megahet.compat import deepspeed_zero as zero
@@ -42,10 +42,10 @@ from megahet.policy.reshard_plan import (
     Param,
     ReshardPlan,
     State,
-    decays,
     rank_holdings,
     stage_params,
     unsharded_params,
+    zero_groups,
 )
 from megahet.policy.stage_split import StageSplit
 
@@ -74,7 +74,7 @@ def checkpoint_params(folder: Path, meta: dict) -> list[Param]:
 def _stage_order(params: Sequence[Param], layout: Layout, stage: int) -> list[list[str]]:
     """The stage's local parameter names per ZeRO group (decayed, then not), in module order."""
     named = stage_params(params, layout, stage)
-    return [[n for n, p in named if decays(n, len(p.shape)) == g] for g in (True, False)]
+    return [[named[i][0] for i in group] for group in zero_groups(named)]
 
 
 def read_rank_state(
@@ -104,9 +104,8 @@ def read_rank_state(
     module = states["module"]
     out: Flat = {(name, WEIGHT): module[local].reshape(-1) for local, name in name_of.items()}
     saved = load_file(zero_files(folder, mp)[d], mmap=mmap)
-    for fp32, adam, mapping in zero.file_partitions(saved):
-        flats = {"fp32": fp32, "exp_avg": adam["exp_avg"], "exp_avg_sq": adam["exp_avg_sq"]}
-        for local, address in mapping.items():
+    for partition in zero.file_partitions(saved):
+        for local, address in partition.mapping.items():
             name = name_of[local]
             h = holding[(name, "fp32")]
             if address.numel != h.hi - h.lo:
@@ -114,7 +113,7 @@ def read_rank_state(
                     f"{folder}: DP rank {d} of mp_rank_{mp:02d} holds {address.numel} elements of {local}, the "
                     f"reshard plan's ZeRO partition gives it {h.hi - h.lo}: DeepSpeed partitioned otherwise"
                 )
-            for key, flat in flats.items():
+            for key, flat in partition.flats.items():
                 out[(name, key)] = flat.narrow(0, address.start, address.numel)
     for (name, key), h in holding.items():
         if (name, key) not in out:  # no fragment of this parameter on this DP rank
@@ -183,13 +182,18 @@ def read_planned_state(folder: Path, params: Sequence[Param], plan: ReshardPlan,
 
 
 def saved_scalars(folder: Path, meta: dict) -> dict:
-    """What every rank of a resharded restart holds alike: Adam's step and learning rates (a ZeRO file's),
-    the LR schedule and the engine's step count (a model states file's)."""
+    """What every rank of a resharded restart holds alike: Adam's step (the one every ZeRO file of the
+    checkpoint was saved at, as rank 0's reshard requires) and learning rates (a ZeRO file's), the LR
+    schedule and the engine's step count (a model states file's)."""
+    layout = saved_layout(meta)
     states = load_file(folder / model_states_file(0), mmap=True)
-    saved = load_file(zero_files(folder, 0)[0], mmap=True)
-    steps = {int(adam["step"]) for _, adam, _ in zero.file_partitions(saved)}
+    files = [f for mp in range(layout.tp * layout.pp) for f in zero_files(folder, mp)]
+    step = one_adam_step(
+        folder, [part.step for f in files for part in zero.file_partitions(load_file(f, mmap=True))]
+    )
+    saved = load_file(files[0], mmap=True)
     return {
-        "step": steps.pop() if len(steps) == 1 else max(steps),
+        "step": step,
         "lr": zero.file_group_lrs(saved),
         "lr_scheduler": states.get("lr_scheduler"),
         "global_steps": states.get("global_steps"),

@@ -24,6 +24,8 @@ Private API used (each checked by tests/unit/test_compat.py):
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 from deepspeed.runtime.constants import PIPE_REPLICATED
@@ -99,11 +101,28 @@ def _group_states(optimizer_state: dict) -> list[dict]:
     return [base["state"][i] for i in range(len(base["param_groups"]))]
 
 
-def file_partitions(saved: dict) -> list[tuple[torch.Tensor, dict, dict]]:
-    """Per parameter group of one ZeRO file's object: (flat fp32 partition, its Adam state, {parameter
-    name: fragment address (numel, start) in the partition})."""
+class Partition(NamedTuple):
+    """One parameter group's partition in a ZeRO file: its flat fp32 master and Adam moments by key
+    ("fp32", "exp_avg", "exp_avg_sq"; each (numel,)), Adam's step, and {parameter name: fragment address
+    (numel, start)} in those flats."""
+
+    flats: dict[str, torch.Tensor]
+    step: int
+    mapping: dict
+
+
+def file_partitions(saved: dict) -> list[Partition]:
+    """Per parameter group of one ZeRO file's object, its `Partition`."""
     state = saved[OPTIMIZER_STATE]
-    return list(zip(state[FP32_PARTITIONS], _group_states(state), state[SLICE_MAPPINGS], strict=True))
+    groups = zip(state[FP32_PARTITIONS], _group_states(state), state[SLICE_MAPPINGS], strict=True)
+    return [
+        Partition(
+            {"fp32": fp32, "exp_avg": adam["exp_avg"], "exp_avg_sq": adam["exp_avg_sq"]},
+            int(adam["step"]),
+            mapping,
+        )
+        for fp32, adam, mapping in groups
+    ]
 
 
 def file_group_lrs(saved: dict) -> list[float] | None:

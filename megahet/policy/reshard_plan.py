@@ -304,6 +304,12 @@ class Holding:
 State = dict[tuple[str, str], Holding]  # (unsharded name, key) -> Holding, of one rank
 
 
+def zero_groups(named: Sequence[tuple[str, Param]]) -> list[list[int]]:
+    """Indices into a stage's (local name, parameter) list per ZeRO parameter group, decayed then not, each
+    in module order: DeepSpeed partitions each group's flat buffer (megahet/engine.py param_groups)."""
+    return [[i for i, (n, p) in enumerate(named) if decays(n, len(p.shape)) == g] for g in (True, False)]
+
+
 def rank_holdings(params: Sequence[Param], layout: Layout, rank: int, blocks: int) -> State:
     """What `rank` of `layout` holds: every key of every tensor of its stage and TP rank (the tied copy
     under the word embedding's name, with its own local name), the optimizer keys as its ZeRO fragments
@@ -312,7 +318,7 @@ def rank_holdings(params: Sequence[Param], layout: Layout, rank: int, blocks: in
     named = stage_params(params, layout, stage)
     segments = [_segments(p, layout.tp, t, blocks) for _, p in named]
     numels = [int(seg[:, 2].sum()) for seg in segments]
-    groups = [[i for i, (n, p) in enumerate(named) if decays(n, len(p.shape)) == g] for g in (True, False)]
+    groups = zero_groups(named)
     fragments = zero_fragments([[numels[i] for i in group] for group in groups], layout.dp)[d]
     fragment_of = dict(zip([i for group in groups for i in group], fragments))
     mine: State = {}

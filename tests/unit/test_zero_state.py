@@ -1,7 +1,8 @@
 """megahet.checkpointing.optimizer_state on one process: `read_zero_state` merging a hand-made DeepSpeed
 ZeRO-1/2 checkpoint (two DP shards, a parameter spanning both, two param groups) into full tensors with
-Adam's step and the LRs, the one-line errors for a missing shard or no shards, and `zero_files`' numeric
-DP order (bf16 prefixes too).
+Adam's step and the LRs, the one-line errors for a missing shard, no shards or shards of two saves (the
+parallel elastic read's `saved_scalars` refuses those alike), and `zero_files`' numeric DP order (bf16
+prefixes too).
 
 Run: ``python -m pytest tests/unit/test_zero_state.py -q`` (a few seconds, mostly imports).
 """
@@ -17,6 +18,7 @@ from deepspeed.utils.tensor_fragment import fragment_address
 from one_line import one_line
 
 from megahet.checkpointing.optimizer_state import read_zero_state, zero_files
+from megahet.checkpointing.sharded_state import saved_scalars
 from megahet.compat.deepspeed_checkpoint import model_states_file
 from megahet.config import ConfigError
 
@@ -133,6 +135,29 @@ def test_read_zero_state_elastic_list_format(tmp_path: Path) -> None:
     state = read_zero_state(folder, mp_rank=0)
     assert state["step"] == STEP and state["lr"] is None
     torch.testing.assert_close(state["exp_avg"]["a.weight"], originals["exp_avg"]["a.weight"], rtol=0, atol=0)
+
+
+def test_shards_of_two_saves_are_refused_by_both_reshard_paths(tmp_path: Path) -> None:
+    """DP rank 1's file from a later save (Adam step 8, not 7): rank 0's merge (`read_zero_state`) and the
+    parallel elastic read (`saved_scalars`, which every rank's restored step comes from) refuse it with
+    the same one-line error, rather than mixing two saves' optimizer states."""
+    folder = tmp_path / "iter_0000007"
+    _write_zero_checkpoint(folder)
+    file = folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    saved = torch.load(file, weights_only=False)
+    saved["optimizer_state_dict"]["base_optimizer_state"]["state"][1]["step"] = torch.tensor(float(STEP + 1))
+    torch.save(saved, file)
+    meta = {"layout": {"tp": 1, "pp": 1, "dp": 2}, "model": {"num_layers": 2}}
+    messages = []
+    for read in (lambda: read_zero_state(folder, mp_rank=0), lambda: saved_scalars(folder, meta)):
+        with pytest.raises(ConfigError) as excinfo:
+            read()
+        messages.append(one_line(excinfo))
+    assert messages[0] == messages[1], messages
+    assert (
+        messages[0].startswith(f"train.load: {folder}:")
+        and f"different Adam steps [{STEP}, {STEP + 1}]" in messages[0]
+    )
 
 
 def test_read_zero_state_missing_shard_is_incomplete(tmp_path: Path) -> None:

@@ -1,9 +1,12 @@
 """What a layout change costs: today's rank-0 path against the reshard plan's, by model size (issue 32).
 
-    python benchmarks/reshard_cost.py [--sizes 10M,100M,400M] [--name reshard_cost]
+    python benchmarks/reshard_cost.py [--sizes 10M,100M] [--layers 8,16] [--precision fp32|bf16]
+                                      [--old-sizes 10M,100M] [--name reshard_cost]
 
-(400M needs more than the 24 GiB of a 2-core CI machine: four ranks' engines, and the old engine
-beside the new state while either path runs.)
+Rank 0's path runs only at the `--old-sizes` (it gathers the whole model on one host). `--sizes 400M`
+needs a host with more memory than the 24 GiB of a 2-core CI machine: four ranks' engines plus, during
+the plan's re-split, the old engine beside the new state (2.5 GB a rank at peak measured at 100M in
+fp32; 400M has 3.7x the parameters).
 
 Two changes, each done both ways in the same processes (so both see the same machine):
 - **re-split one layer** at PP=2 x DP=2 (4 ranks), 8 layers, after one training step (Adam's state
@@ -15,12 +18,16 @@ Two changes, each done both ways in the same processes (so both see the same mac
   (a) rank 0 reshards it and every rank loads the result; (b) every rank reads its own slices
   (megahet/checkpointing/elastic.py read_resharded).
 
-Per size (GPT, 8 layers of hidden 320 / 1024 / 2048: about 10 M, 100 M, 400 M parameters) it reports
+Per size and layer count (GPT of hidden 320 / 1024 / 2048 with 8 layers: about 10 M, 100 M, 400 M
+parameters; `--layers` adds deeper models of the same width, so that the rebuild's growth with the
+layer count shows beside its growth with the width) it reports
 the wall time and its parts, every rank's peak resident memory during the change (sampled from
 /proc/self/statm every 2 ms) against the rank's own new shard (its weights, fp32 masters and Adam
 moments), the bytes moved against the minimum (the bytes whose owner changes: the reshard plan's; the
 old path's bytes are those through the disk: the saved and the resharded checkpoint, each written and
-read), and, for the re-split, the time a plain send of the same bytes between the same ranks takes. A
+read), and, for the re-split, the time a plain send of the same bytes between the same ranks takes and
+the rebuild in passes over the rank's own shard (`_copy_s`: every rank copying its shard's bytes into
+new memory at once, measured in the same run). A
 plot draws each path's time and worst peak memory against the model size and extrapolates them to
 7 B and 70 B parameters with straight-line fits (a fixed cost plus the measured cost per parameter). Writes benchmarks/results/<name>.{md,json,png}.
 """
@@ -30,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import itertools
 import json
 import os
 import shutil
@@ -78,10 +86,25 @@ class PeakRSS:
         self._update()
 
 
-def _args(hidden: int, heads: int, out: Path, pp: int = 2) -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The benchmarked GPT: hidden size, heads, layers and precision (weights; masters and moments fp32)."""
+
+    hidden: int
+    heads: int
+    layers: int = 8
+    precision: str = "fp32"
+
+    @property
+    def weight_bytes(self) -> int:
+        return 2 if self.precision == "bf16" else 4
+
+
+def _args(shape: Shape, out: Path, pp: int = 2) -> list[str]:
     return [
-        "--parallel.pp", str(pp), "--model.num_layers", "8", "--model.hidden_size", str(hidden),
-        "--model.num_attention_heads", str(heads), "--model.seq_length", "32",
+        "--parallel.pp", str(pp), "--model.num_layers", str(shape.layers), "--model.hidden_size", str(shape.hidden),
+        "--model.num_attention_heads", str(shape.heads), "--model.seq_length", "32",
+        "--train.precision", shape.precision,
         "--train.micro_batch_size", "1", "--train.global_batch_size", "4", "--train.train_iters", "100",
         "--train.eval_interval", "1000", "--logging.wandb", "false", "--logging.log_dir", str(out / "logs"),
     ]  # fmt: skip
@@ -131,58 +154,80 @@ def _raw_send_s(plan, rank: int, itemsize: dict) -> float:
     return time.perf_counter() - t0
 
 
-def worker_resplit(hidden: int, heads: int, out: Path) -> None:
+def _copy_s(nbytes: int) -> float:
+    """Seconds for every rank at once to copy `nbytes` into newly allocated memory (the slowest rank's): the
+    cost of one pass over a rank's own shard, as a rebuild makes them (each new buffer's pages are faulted
+    in and zeroed by the kernel as it is first written)."""
+    import torch
+    import torch.distributed as dist
+
+    source = torch.ones(nbytes, dtype=torch.uint8)
+    dist.barrier()
+    t0 = time.perf_counter()
+    torch.empty_like(source).copy_(source)
+    seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return float(seconds)
+
+
+def worker_resplit(shape: Shape, out: Path, old_path: bool = True) -> None:
     """4 ranks: one step, save the step-1 checkpoint (for the elastic case), then re-split one layer the
-    old way (4,4 -> 5,3) and the plan's way (5,3 -> 4,4)."""
+    old way (4,4 -> 5,3 at 8 layers) and the plan's way (5,3 -> 4,4); without `old_path`, the plan's way
+    only (4,4 -> 5,3)."""
     import torch.distributed as dist
 
     import pretrain_gpt
     from megahet.checkpointing import checkpoint, finder
     from megahet.checkpointing.elastic import reshard_checkpoint
     from megahet.config import load_config
-    from megahet.policy.reshard_plan import KEYS, Layout, reshard_plan
+    from megahet.policy.reshard_plan import KEYS, WEIGHT, Layout, reshard_plan
     from megahet.runtime.resplit import _free, live_params, resplit
     from megahet.training import build_trainer, setup
 
-    cfg = load_config([*_args(hidden, heads, out), "--train.save", str(out / "ck")])
+    cfg = load_config([*_args(shape, out), "--train.save", str(out / "ck")])
     trainer = setup(cfg, pretrain_gpt.SPEC)
     spec, layout, logger = pretrain_gpt.SPEC, trainer.layout, trainer.logger
     trainer.train_step()
     checkpoint.save(trainer.checkpoint_parts(), trainer.progress(), out / "ck")
     shard_before = _shard_bytes(trainer)
+    half = shape.layers // 2
+    split, other = (half, half), (half + 1, half - 1)
 
-    # (a) the old way: save -> rank 0 reshards the whole checkpoint -> rebuild and load
-    new_plan = trainer.plan.with_split((5, 3))
-    with PeakRSS() as rss_a:
-        t0 = time.perf_counter()
-        root = out / "old_resplit"
-        checkpoint.save(trainer.checkpoint_parts(), trainer.progress(), root)
-        t_save = time.perf_counter()
-        resume = finder.find_resume_in(root)
-        _free(trainer)
-        resume = reshard_checkpoint(cfg, resume, layout.rank, new_plan.split, root)
-        t_reshard = time.perf_counter()
-        trainer = build_trainer(new_plan, spec, layout, resume, logger, 1)
-        dist.barrier()
-        t_done = time.perf_counter()
-    disk = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
-    old = {
-        "save_s": t_save - t0, "reshard_s": t_reshard - t_save, "build_s": t_done - t_reshard,
-        "total_s": t_done - t0, "peak_rss": rss_a.peak, "rss_before": rss_a.before, "disk_bytes": disk,
-    }  # fmt: skip
+    old = None
+    if old_path:  # (a) the old way: save -> rank 0 reshards the whole checkpoint -> rebuild and load
+        new_plan = trainer.plan.with_split(other)
+        with PeakRSS() as rss_a:
+            t0 = time.perf_counter()
+            root = out / "old_resplit"
+            checkpoint.save(trainer.checkpoint_parts(), trainer.progress(), root)
+            t_save = time.perf_counter()
+            resume = finder.find_resume_in(root)
+            _free(trainer)
+            resume = reshard_checkpoint(cfg, resume, layout.rank, new_plan.split, root)
+            t_reshard = time.perf_counter()
+            trainer = build_trainer(new_plan, spec, layout, resume, logger, 1)
+            dist.barrier()
+            t_done = time.perf_counter()
+        disk = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+        old = {
+            "save_s": t_save - t0, "reshard_s": t_reshard - t_save, "build_s": t_done - t_reshard,
+            "total_s": t_done - t0, "peak_rss": rss_a.peak, "rss_before": rss_a.before, "disk_bytes": disk,
+        }  # fmt: skip
+        split, other = other, split
 
-    # (b) the plan's way: 5,3 -> 4,4, the layer moves rank to rank
+    # (b) the plan's way: 5,3 -> 4,4 (at 8 layers; 4,4 -> 5,3 without the old way), the layer moves rank to rank
     m = cfg.model
-    params = live_params(trainer.engine.module, trainer.layout, (5, 3), m.activation == "swiglu", True)
-    lay = Layout(trainer.layout.tp_size, 2, trainer.layout.dp_size, (5, 3))
-    plan = reshard_plan(params, lay, dataclasses.replace(lay, split=(4, 4)))
-    itemsize = dict.fromkeys(KEYS, 4)
+    params = live_params(trainer.engine.module, trainer.layout, split, m.activation == "swiglu", True)
+    lay = Layout(trainer.layout.tp_size, 2, trainer.layout.dp_size, split)
+    plan = reshard_plan(params, lay, dataclasses.replace(lay, split=other))
+    itemsize = {key: shape.weight_bytes if key == WEIGHT else 4 for key in KEYS}
     raw_s = _raw_send_s(plan, trainer.layout.rank, itemsize)
+    copy_s = _copy_s(_shard_bytes(trainer))
 
     def rebuild(p, restore, n):
         return build_trainer(p, spec, layout, None, logger, n, (), restore)
 
-    trainer.pending_split = (4, 4)
+    trainer.pending_split = other
     gc.collect()
     with PeakRSS() as rss_b:
         t0 = time.perf_counter()
@@ -192,7 +237,7 @@ def worker_resplit(hidden: int, heads: int, out: Path) -> None:
     new = {
         "plan_s": cost.plan_s, "transfer_s": cost.transfer_s, "build_s": cost.build_s, "total_s": t_done - t0,
         "peak_rss": rss_b.peak, "rss_before": rss_b.before, "bytes_moved": cost.bytes_moved,
-        "bytes_minimum": plan.bytes_moved(itemsize), "raw_send_s": raw_s,
+        "bytes_minimum": plan.bytes_moved(itemsize), "raw_send_s": raw_s, "shard_copy_s": copy_s,
     }  # fmt: skip
     row = {"rank": trainer.layout.rank, "old": old, "new": new, "shard": _shard_bytes(trainer)}
     row["shard_before"] = shard_before
@@ -203,9 +248,9 @@ def worker_resplit(hidden: int, heads: int, out: Path) -> None:
     dist.barrier()
 
 
-def worker_elastic(hidden: int, heads: int, out: Path) -> None:
-    """2 ranks: the 4-rank step-1 checkpoint at PP=2 x DP=1, resharded by rank 0 and then read in
-    parallel (rank 0's output goes into its own folder: the saved checkpoint is read by both)."""
+def worker_elastic(shape: Shape, out: Path, old_path: bool = True) -> None:
+    """2 ranks: the 4-rank step-1 checkpoint at PP=2 x DP=1, resharded by rank 0 (`old_path`) and then read
+    in parallel (rank 0's output goes into its own folder: the saved checkpoint is read by both)."""
     import torch.distributed as dist
 
     import pretrain_gpt
@@ -217,24 +262,25 @@ def worker_elastic(hidden: int, heads: int, out: Path) -> None:
     from megahet.training import build_trainer
 
     spec = pretrain_gpt.SPEC
-    cfg = load_config([*_args(hidden, heads, out), "--train.load", str(out / "ck")])
+    cfg = load_config([*_args(shape, out), "--train.load", str(out / "ck")])
     plan = plan_run(cfg, spec)
     assert plan.reshard, "the benchmark's checkpoint should need a reshard at 2 ranks"
     layout = initialize_parallel(plan.tp, plan.pp, cfg.train.seed, cfg.parallel.distributed_timeout_minutes)
-    with PeakRSS() as rss_a:
-        t0 = time.perf_counter()
-        resume = reshard_checkpoint(plan.cfg, plan.resume, layout.rank, plan.split, out / "old_elastic")
-        t_reshard = time.perf_counter()
-        trainer = build_trainer(plan, spec, layout, resume)
-        dist.barrier()
-        t_done = time.perf_counter()
-    old = {
-        "reshard_s": t_reshard - t0, "build_s": t_done - t_reshard, "total_s": t_done - t0,
-        "peak_rss": rss_a.peak, "rss_before": rss_a.before,
-    }  # fmt: skip
-    shard = _shard_bytes(trainer)
-    _free(trainer)
-    gc.collect()
+    old = None
+    if old_path:
+        with PeakRSS() as rss_a:
+            t0 = time.perf_counter()
+            resume = reshard_checkpoint(plan.cfg, plan.resume, layout.rank, plan.split, out / "old_elastic")
+            t_reshard = time.perf_counter()
+            trainer = build_trainer(plan, spec, layout, resume)
+            dist.barrier()
+            t_done = time.perf_counter()
+        old = {
+            "reshard_s": t_reshard - t0, "build_s": t_done - t_reshard, "total_s": t_done - t0,
+            "peak_rss": rss_a.peak, "rss_before": rss_a.before,
+        }  # fmt: skip
+        _free(trainer)
+        gc.collect()
     with PeakRSS() as rss_read:
         t0 = time.perf_counter()
         resumed = read_resharded(plan.cfg, plan.resume, layout, plan.split)
@@ -249,69 +295,76 @@ def worker_elastic(hidden: int, heads: int, out: Path) -> None:
         "read_peak_rss": rss_read.peak, "read_rss_before": rss_read.before, "peak_rss": max(rss_b.peak, rss_read.peak),
         "rss_before": rss_read.before, "read_peak_anon": rss_read.peak_anon, "read_anon_before": rss_read.before_anon,
     }  # fmt: skip
-    rows = _gather({"rank": layout.rank, "old": old, "new": new, "shard": shard})
+    rows = _gather({"rank": layout.rank, "old": old, "new": new, "shard": _shard_bytes(trainer)})
     if layout.rank == 0:
         (out / "elastic.json").write_text(json.dumps({"ranks": rows}))
     dist.barrier()
 
 
-def _run(size: str, out: Path) -> dict:
+def _run(shape: Shape, out: Path, old_path: bool = True) -> dict:
     from benchmarks.common import torchrun
 
-    hidden, heads = SIZES[size]
     out.mkdir(parents=True, exist_ok=True)
     me = str(Path(__file__).resolve())
-    common = ["--worker", "--hidden", str(hidden), "--heads", str(heads), "--out", str(out)]
+    common = ["--worker", "--out", str(out)]
+    common += ["--hidden", str(shape.hidden), "--heads", str(shape.heads), "--layers", str(shape.layers)]
+    common += ["--precision", shape.precision] + (["--old-path"] if old_path else [])
     t_resplit = torchrun(me, 4, [*common, "--case", "resplit"], out / "resplit.log")
     t_elastic = torchrun(me, 2, [*common, "--case", "elastic"], out / "elastic.log")
     resplit = json.loads((out / "resplit.json").read_text())
     elastic = json.loads((out / "elastic.json").read_text())
-    print(f"{size}: launches {t_resplit:.0f} s and {t_elastic:.0f} s", flush=True)
+    print(f"{out.name}: launches {t_resplit:.0f} s and {t_elastic:.0f} s", flush=True)
     return {"resplit": resplit, "elastic": elastic}
 
 
-def _rows(size: str, result: dict) -> list[dict]:
-    """Table rows: per change and path, the slowest rank's time and the worst peak against own shard."""
+def _rows(size: str, result: dict, layers: int = 8) -> list[dict]:
+    """Table rows: per change and path, the slowest rank's time and the worst peak against own shard (rank
+    0's path only where it ran)."""
     mib = 2**20
     rs, el = result["resplit"], result["elastic"]
-    params = rs["params"]
-    rows = []
-    ranks = rs["ranks"]
-    old_peak = max(r["old"]["peak_rss"] - r["old"]["rss_before"] for r in ranks)
-    new_peak = max(r["new"]["peak_rss"] - r["new"]["rss_before"] for r in ranks)
-    shard = max(r["shard"] for r in ranks)
-    moved = sum(r["new"]["bytes_moved"] for r in ranks[:1])
+    ranks, eranks = rs["ranks"], el["ranks"]
+    base = {"size": size, "layers": layers, "params_M": rs["params"] / 1e6}
+    shard, eshard = max(r["shard"] for r in ranks), max(r["shard"] for r in eranks)
     minimum = ranks[0]["new"]["bytes_minimum"]
-    transfer = max(r["new"]["transfer_s"] for r in ranks)
-    raw = max(r["new"]["raw_send_s"] for r in ranks)
+
+    def worst(rs: list[dict], path: str, key: str) -> float:
+        return max(r[path][key] for r in rs)
+
+    def peak(rs: list[dict], path: str) -> float:
+        return max(r[path]["peak_rss"] - r[path]["rss_before"] for r in rs)
+
+    rows = []
+    if ranks[0]["old"] is not None:
+        parts = " + ".join(
+            f"{part} {worst(ranks, 'old', part + '_s'):.2f}" for part in ("save", "reshard", "build")
+        )
+        rows.append({
+            **base, "change": "re-split 1 layer", "path": "rank 0 (save, merge, load)",
+            "time_s": worst(ranks, "old", "total_s"), "parts": parts, "peak_extra_MiB": peak(ranks, "old") / mib,
+            "shard_MiB": shard / mib, "peak_over_shard": peak(ranks, "old") / shard,
+            "bytes_MiB": 2 * ranks[0]["old"]["disk_bytes"] / mib, "minimum_MiB": minimum / mib,
+        })  # fmt: skip
+    transfer, raw = worst(ranks, "new", "transfer_s"), worst(ranks, "new", "raw_send_s")
+    parts = f"plan {worst(ranks, 'new', 'plan_s'):.2f} + transfer {transfer:.2f} (plain send {raw:.2f}: "
+    build, copy = worst(ranks, "new", "build_s"), worst(ranks, "new", "shard_copy_s")
+    parts += f"x{transfer / raw:.1f}) + build {build:.2f} ({build / copy:.1f} copies of the own shard)"
     rows.append({
-        "size": size, "params_M": params / 1e6, "change": "re-split 1 layer", "path": "rank 0 (save, merge, load)",
-        "time_s": max(r["old"]["total_s"] for r in ranks),
-        "parts": f"save {max(r['old']['save_s'] for r in ranks):.2f} + reshard {max(r['old']['reshard_s'] for r in ranks):.2f} + build {max(r['old']['build_s'] for r in ranks):.2f}",
-        "peak_extra_MiB": old_peak / mib, "shard_MiB": shard / mib, "peak_over_shard": old_peak / shard,
-        "bytes_MiB": 2 * ranks[0]["old"]["disk_bytes"] / mib, "minimum_MiB": minimum / mib,
+        **base, "change": "re-split 1 layer", "path": "plan (rank to rank)", "time_s": worst(ranks, "new", "total_s"),
+        "parts": parts, "peak_extra_MiB": peak(ranks, "new") / mib, "shard_MiB": shard / mib,
+        "peak_over_shard": peak(ranks, "new") / shard, "bytes_MiB": ranks[0]["new"]["bytes_moved"] / mib,
+        "minimum_MiB": minimum / mib,
     })  # fmt: skip
-    rows.append({
-        "size": size, "params_M": params / 1e6, "change": "re-split 1 layer", "path": "plan (rank to rank)",
-        "time_s": max(r["new"]["total_s"] for r in ranks),
-        "parts": f"plan {max(r['new']['plan_s'] for r in ranks):.2f} + transfer {transfer:.2f} (plain send {raw:.2f}: x{transfer / raw:.1f}) + build {max(r['new']['build_s'] for r in ranks):.2f}",
-        "peak_extra_MiB": new_peak / mib, "shard_MiB": shard / mib, "peak_over_shard": new_peak / shard,
-        "bytes_MiB": moved / mib, "minimum_MiB": minimum / mib,
-    })  # fmt: skip
-    eranks = el["ranks"]
-    eshard = max(r["shard"] for r in eranks)
     for path, key, label in (
         ("rank 0 (merge, write, load)", "old", "reshard"),
         ("plan (own slices)", "new", "read"),
     ):
-        peak = max(r[key]["peak_rss"] - r[key]["rss_before"] for r in eranks)
-        first = f"{label} {max(r[key][label + '_s'] for r in eranks):.2f}"
+        if eranks[0][key] is None:
+            continue
         rows.append({
-            "size": size, "params_M": params / 1e6, "change": "elastic 4 -> 2 ranks", "path": path,
-            "time_s": max(r[key]["total_s"] for r in eranks),
-            "parts": f"{first} + build {max(r[key]['build_s'] for r in eranks):.2f}",
-            "peak_extra_MiB": peak / mib, "shard_MiB": eshard / mib, "peak_over_shard": peak / eshard,
-            "bytes_MiB": float("nan"), "minimum_MiB": float("nan"),
+            **base, "change": "elastic 4 -> 2 ranks", "path": path, "time_s": worst(eranks, key, "total_s"),
+            "parts": f"{label} {worst(eranks, key, label + '_s'):.2f} + build {worst(eranks, key, 'build_s'):.2f}",
+            "peak_extra_MiB": peak(eranks, key) / mib, "shard_MiB": eshard / mib,
+            "peak_over_shard": peak(eranks, key) / eshard, "bytes_MiB": float("nan"), "minimum_MiB": float("nan"),
         })  # fmt: skip
     for r in eranks:  # the read alone: what the rank holds beyond its process before the read
         r["read_over_shard"] = (r["new"]["read_peak_rss"] - r["new"]["read_rss_before"]) / r["shard"]
@@ -353,15 +406,17 @@ def _plot(rows: list[dict], path: Path) -> None:
         (None, "peak_extra_MiB", "peak memory beyond the process's, worst rank (MiB)"),
     ]
     for ax, (change, key, ylabel) in zip(axes, panels):
+        layer_counts = sorted({r.get("layers", 8) for r in rows})
         for r_change in [change] if change else ["re-split 1 layer", "elastic 4 -> 2 ranks"]:
-            for way, style in (("rank 0", "o-"), ("plan", "s-")):
+            for (way, style), layers in itertools.product((("rank 0", "o-"), ("plan", "s-")), layer_counts):
                 pts = [
                     (r["params_M"] * 1e6, max(r[key], 1e-3))
                     for r in rows
-                    if r["change"] == r_change and r["path"].startswith(way)
+                    if r["change"] == r_change and r["path"].startswith(way) and r.get("layers", 8) == layers
                 ]
                 if len(pts) >= 2:
                     label = way if change else f"{r_change}, {way}"
+                    label += f", {layers} layers" if len(layer_counts) > 1 else ""
                     _extrapolated(ax, pts, style, label, targets)
         ax.set_title(change or "memory")
         ax.set_xlabel("parameters")
@@ -373,7 +428,15 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", default="10M,100M,400M")
+    parser.add_argument("--sizes", default="10M,100M", help=f"of {','.join(SIZES)} (400M: see the docstring)")
+    parser.add_argument("--layers", default="8", help="layer counts, comma-separated: each size at each")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument(
+        "--old-sizes",
+        default="10M,100M",
+        help="sizes at which rank 0's path runs too (it holds the whole model on one host: 400M does not fit 24 GiB)",
+    )
+    parser.add_argument("--old-path", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--name", default="reshard_cost")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
@@ -382,27 +445,37 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        (worker_resplit if args.case == "resplit" else worker_elastic)(args.hidden, args.heads, args.out)
+        shape = Shape(args.hidden, args.heads, int(args.layers), args.precision)
+        (worker_resplit if args.case == "resplit" else worker_elastic)(shape, args.out, args.old_path)
         return
     from benchmarks.common import RESULTS, save_results
 
-    sizes = args.sizes.split(",")
+    sizes, layer_counts = args.sizes.split(","), [int(n) for n in args.layers.split(",")]
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:
         raise SystemExit(f"--sizes {unknown[0]}: choose from {','.join(SIZES)}")
+    if any(n < 4 or n % 2 for n in layer_counts):
+        raise SystemExit(
+            f"--layers {args.layers}: even counts of at least 4 (two pipeline stages, one layer moves)"
+        )
     work = RESULTS / f"{args.name}_runs"
     rows, raw = [], {}
     for size in sizes:
-        shutil.rmtree(work / size, ignore_errors=True)
-        try:
-            raw[size] = _run(size, work / size)
-        finally:  # the checkpoints: large (20 GB at 400M), and re-made by a rerun
-            for folder in ("ck", "old_resplit", "old_elastic"):
-                shutil.rmtree(work / size / folder, ignore_errors=True)
-        rows += _rows(size, raw[size])
-    columns = ["size", "params_M", "change", "path", "time_s", "parts", "peak_extra_MiB", "shard_MiB",
+        for layers in layer_counts:
+            key = size if layer_counts == [8] else f"{size}_{layers}L"
+            shutil.rmtree(work / key, ignore_errors=True)
+            try:
+                old_path = size in args.old_sizes.split(",")
+                raw[key] = _run(Shape(*SIZES[size], layers, args.precision), work / key, old_path)
+            finally:  # the checkpoints: large (20 GB at 400M), and re-made by a rerun
+                for folder in ("ck", "old_resplit", "old_elastic"):
+                    shutil.rmtree(work / key / folder, ignore_errors=True)
+            rows += _rows(size, raw[key], layers)
+    columns = ["size", "layers", "params_M", "change", "path", "time_s", "parts", "peak_extra_MiB", "shard_MiB",
                "peak_over_shard", "bytes_MiB", "minimum_MiB"]  # fmt: skip
-    save_results(args.name, rows, columns, {"sizes": sizes, "raw": raw})
+    meta = {"sizes": sizes, "layers": layer_counts, "precision": args.precision, "old_sizes": args.old_sizes}
+    meta["raw"] = raw
+    save_results(args.name, rows, columns, meta)
     _plot(rows, RESULTS / f"{args.name}.png")
 
 

@@ -30,7 +30,7 @@ def _result(scale: float) -> dict:
                     "disk_bytes": 800 * MIB * scale},
             "new": {"plan_s": 0.05, "transfer_s": 0.2 * scale, "build_s": 0.5, "total_s": 0.7 * scale, "peak_rss": 950 * MIB * scale,
                     "rss_before": 900 * MIB * scale, "bytes_moved": 30 * MIB * scale, "bytes_minimum": 30 * MIB * scale,
-                    "raw_send_s": 0.1 * scale},
+                    "raw_send_s": 0.1 * scale, "shard_copy_s": 0.1},
         }  # fmt: skip
 
     def elastic_rank(rank: int) -> dict:
@@ -59,6 +59,7 @@ def test_rows_take_the_slowest_rank_and_the_worst_peak_against_the_own_shard():
     assert new["peak_over_shard"] == 0.5 and new["bytes_MiB"] == new["minimum_MiB"] == 30
     assert old["bytes_MiB"] == 1600  # the disk: written and read
     assert "x2.0" in new["parts"]  # transfer 0.2 s against a plain send of 0.1 s
+    assert "build 0.50 (5.0 copies of the own shard)" in new["parts"]
     assert elastic_old["peak_over_shard"] == 7.5 and elastic_new["peak_over_shard"] == 2.0
     assert "read peak 1.30x own shard, allocated 1.00x" in elastic_new["parts"]
 
@@ -67,3 +68,16 @@ def test_plot_draws_and_extrapolates(tmp_path: Path):
     rows = _rows("10M", _result(1.0)) + _rows("100M", _result(10.0))
     _plot(rows, tmp_path / "cost.png")
     assert (tmp_path / "cost.png").stat().st_size > 10_000
+
+
+def test_rows_without_rank0_path_are_the_plan_rows_only():
+    """At 400M rank 0's path does not fit the host (--old-sizes): its rows are left out, not made up."""
+    result = _result(1.0)
+    for r in result["resplit"]["ranks"] + result["elastic"]["ranks"]:
+        r["old"] = None
+    rows = _rows("400M", result, layers=16)
+    assert [(r["change"], r["path"]) for r in rows] == [
+        ("re-split 1 layer", "plan (rank to rank)"),
+        ("elastic 4 -> 2 ranks", "plan (own slices)"),
+    ]
+    assert all(r["layers"] == 16 for r in rows) and rows[0]["time_s"] == 0.7

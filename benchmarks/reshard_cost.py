@@ -1,7 +1,6 @@
 """What a layout change costs: today's rank-0 path against the reshard plan's, by model size (issue 32).
 
-    python benchmarks/reshard_cost.py [--sizes 10M,100M] [--layers 8,16] [--precision fp32|bf16]
-                                      [--old-sizes 10M,100M] [--name reshard_cost]
+    python benchmarks/reshard_cost.py [--sizes 10M,100M] [--layers 8,16] [--old-sizes 10M,100M] [--name reshard_cost]
 
 Rank 0's path runs only at the `--old-sizes` (it gathers the whole model on one host). `--sizes 400M`
 needs a host with more memory than the 24 GiB of a 2-core CI machine: four ranks' engines plus, during
@@ -88,23 +87,17 @@ class PeakRSS:
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """The benchmarked GPT: hidden size, heads, layers and precision (weights; masters and moments fp32)."""
+    """The benchmarked GPT (fp32): hidden size, heads, layers."""
 
     hidden: int
     heads: int
     layers: int = 8
-    precision: str = "fp32"
-
-    @property
-    def weight_bytes(self) -> int:
-        return 2 if self.precision == "bf16" else 4
 
 
 def _args(shape: Shape, out: Path, pp: int = 2) -> list[str]:
     return [
         "--parallel.pp", str(pp), "--model.num_layers", str(shape.layers), "--model.hidden_size", str(shape.hidden),
         "--model.num_attention_heads", str(shape.heads), "--model.seq_length", "32",
-        "--train.precision", shape.precision,
         "--train.micro_batch_size", "1", "--train.global_batch_size", "4", "--train.train_iters", "100",
         "--train.eval_interval", "1000", "--logging.wandb", "false", "--logging.log_dir", str(out / "logs"),
     ]  # fmt: skip
@@ -180,7 +173,7 @@ def worker_resplit(shape: Shape, out: Path, old_path: bool = True) -> None:
     from megahet.checkpointing import checkpoint, finder
     from megahet.checkpointing.elastic import reshard_checkpoint
     from megahet.config import load_config
-    from megahet.policy.reshard_plan import KEYS, WEIGHT, Layout, reshard_plan
+    from megahet.policy.reshard_plan import KEYS, Layout, reshard_plan
     from megahet.runtime.resplit import _free, live_params, resplit
     from megahet.training import build_trainer, setup
 
@@ -220,7 +213,7 @@ def worker_resplit(shape: Shape, out: Path, old_path: bool = True) -> None:
     params = live_params(trainer.engine.module, trainer.layout, split, m.activation == "swiglu", True)
     lay = Layout(trainer.layout.tp_size, 2, trainer.layout.dp_size, split)
     plan = reshard_plan(params, lay, dataclasses.replace(lay, split=other))
-    itemsize = {key: shape.weight_bytes if key == WEIGHT else 4 for key in KEYS}
+    itemsize = dict.fromkeys(KEYS, 4)
     raw_s = _raw_send_s(plan, trainer.layout.rank, itemsize)
     copy_s = _copy_s(_shard_bytes(trainer))
 
@@ -308,7 +301,7 @@ def _run(shape: Shape, out: Path, old_path: bool = True) -> dict:
     me = str(Path(__file__).resolve())
     common = ["--worker", "--out", str(out)]
     common += ["--hidden", str(shape.hidden), "--heads", str(shape.heads), "--layers", str(shape.layers)]
-    common += ["--precision", shape.precision] + (["--old-path"] if old_path else [])
+    common += ["--old-path"] if old_path else []
     t_resplit = torchrun(me, 4, [*common, "--case", "resplit"], out / "resplit.log")
     t_elastic = torchrun(me, 2, [*common, "--case", "elastic"], out / "elastic.log")
     resplit = json.loads((out / "resplit.json").read_text())
@@ -430,7 +423,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="10M,100M", help=f"of {','.join(SIZES)} (400M: see the docstring)")
     parser.add_argument("--layers", default="8", help="layer counts, comma-separated: each size at each")
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument(
         "--old-sizes",
         default="10M,100M",
@@ -445,7 +437,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        shape = Shape(args.hidden, args.heads, int(args.layers), args.precision)
+        shape = Shape(args.hidden, args.heads, int(args.layers))
         (worker_resplit if args.case == "resplit" else worker_elastic)(shape, args.out, args.old_path)
         return
     from benchmarks.common import RESULTS, save_results
@@ -466,14 +458,14 @@ def main() -> None:
             shutil.rmtree(work / key, ignore_errors=True)
             try:
                 old_path = size in args.old_sizes.split(",")
-                raw[key] = _run(Shape(*SIZES[size], layers, args.precision), work / key, old_path)
+                raw[key] = _run(Shape(*SIZES[size], layers), work / key, old_path)
             finally:  # the checkpoints: large (20 GB at 400M), and re-made by a rerun
                 for folder in ("ck", "old_resplit", "old_elastic"):
                     shutil.rmtree(work / key / folder, ignore_errors=True)
             rows += _rows(size, raw[key], layers)
     columns = ["size", "layers", "params_M", "change", "path", "time_s", "parts", "peak_extra_MiB", "shard_MiB",
                "peak_over_shard", "bytes_MiB", "minimum_MiB"]  # fmt: skip
-    meta = {"sizes": sizes, "layers": layer_counts, "precision": args.precision, "old_sizes": args.old_sizes}
+    meta = {"sizes": sizes, "layers": layer_counts, "old_sizes": args.old_sizes}
     meta["raw"] = raw
     save_results(args.name, rows, columns, meta)
     _plot(rows, RESULTS / f"{args.name}.png")

@@ -80,10 +80,8 @@ def read_zero_state(folder: Path, mp_rank: int) -> dict:
         saved = load_file(file)
         for partition in zero.file_partitions(saved):
             steps.add(partition.step)
-            for (
-                name,
-                address,
-            ) in partition.mapping.items():  # (numel, start) of the parameter in this partition
+            # address: (numel, start) of the parameter in this partition
+            for name, address in partition.mapping.items():
                 for key, buffer in partition.flats.items():
                     fragments[key].setdefault(name, []).append(buffer.narrow(0, address.start, address.numel))
     missing = sorted(set(shape_of) - set(fragments["fp32"]))

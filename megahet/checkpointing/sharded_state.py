@@ -188,13 +188,10 @@ def saved_scalars(folder: Path, meta: dict) -> dict:
     layout = saved_layout(meta)
     states = load_file(folder / model_states_file(0), mmap=True)
     files = [f for mp in range(layout.tp * layout.pp) for f in zero_files(folder, mp)]
-    step = one_adam_step(
-        folder, [part.step for f in files for part in zero.file_partitions(load_file(f, mmap=True))]
-    )
-    saved = load_file(files[0], mmap=True)
+    saved = [load_file(f, mmap=True) for f in files]
     return {
-        "step": step,
-        "lr": zero.file_group_lrs(saved),
+        "step": one_adam_step(folder, [part.step for file in saved for part in zero.file_partitions(file)]),
+        "lr": zero.file_group_lrs(saved[0]),
         "lr_scheduler": states.get("lr_scheduler"),
         "global_steps": states.get("global_steps"),
     }

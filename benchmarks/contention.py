@@ -5,6 +5,7 @@ tests/distributed/test_real_straggler.py.
     with competing_process(core=1):          # a busy loop pinned to core 1 until the block ends
         ...                                  # ranks pinned with tools/pin_ranks.py
     competing_process(core=1, processes=2)   # two loops: the rank on core 1 gets a third of it
+    competing_process(core=1, nice=5)        # one lower-priority loop: a milder straggler
     ran, waited = schedstat(pid)             # seconds on a CPU, seconds runnable but waiting
     pid = rank_pid(1, launcher=proc.pid)     # local rank 1 of a launch (no launcher: any pin_ranks.py)
     pinned_launch(torchrun, args, [0, 1], log, contended=True)   # 2 pinned ranks, rank 1 contended
@@ -18,15 +19,24 @@ import subprocess
 import sys
 from pathlib import Path
 
-BUSY_LOOP = "import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True:\n    pass\n"
+BUSY_LOOP = """import contextlib, os
+os.sched_setaffinity(0, {{{core}}})
+os.nice({nice})
+with contextlib.suppress(OSError):  # with autogroups, a session's weight is its autogroup's nice
+    with open("/proc/self/autogroup", "w") as group:
+        group.write("{nice}")
+while True:
+    pass
+"""
 
 
 @contextlib.contextmanager
-def competing_process(core: int, processes: int = 1):
+def competing_process(core: int, processes: int = 1, nice: int = 0):
     """Pure-Python busy loops pinned to `core` (another tenant's jobs: each in a session of its own, so
-    the kernel's per-session group scheduling counts each as a tenant), killed when the block ends."""
+    the kernel's per-session group scheduling counts each as a tenant), killed when the block ends. A
+    `nice` tenant (1-19) takes less of the core than the rank it shares it with (a milder straggler)."""
     procs = [
-        subprocess.Popen([sys.executable, "-c", BUSY_LOOP.format(core=core)], start_new_session=True)
+        subprocess.Popen([sys.executable, "-c", BUSY_LOOP.format(core=core, nice=nice)], start_new_session=True)
         for _ in range(processes)
     ]
     try:

@@ -47,6 +47,23 @@ def test_competing_process_burns_its_core_until_the_block_ends():
     assert proc.poll() is not None  # killed on exit
 
 
+def test_a_nice_tenant_runs_at_its_priority_in_its_own_session():
+    """A milder straggler's tenant: niced, in a session (and so an autogroup, where the kernel has them)
+    of its own whose nice is its own, as the kernel weighs tenants by their autogroup."""
+    core = (two_cores() or sorted(os.sched_getaffinity(0)))[-1]
+    with competing_process(core, processes=2, nice=5) as proc:
+        deadline = time.monotonic() + 10
+        while os.getpriority(os.PRIO_PROCESS, proc.pid) != 5 and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the loop has set it
+        assert os.getpriority(os.PRIO_PROCESS, proc.pid) == 5
+        assert os.getsid(proc.pid) == proc.pid != os.getsid(0)
+        group = Path(f"/proc/{proc.pid}/autogroup")
+        if group.exists():
+            while not group.read_text().strip().endswith("nice 5") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert group.read_text().split()[-1] == "5", group.read_text()
+
+
 def _trace(steps: int, busy: list[float], fixed: list[float], step_s: float) -> list[dict]:
     """A TP=2 trace: both ranks did the same work, at these layer and fixed times."""
     return [

@@ -28,6 +28,10 @@ The gain captured of a run is (T_static / T - 1) / (T_static / T_cap - 1): 1 rea
 ideal, 0 is static. Beside it (TP), the old compute-only ideal: static's step minus the layers' compute
 it loses to their imbalance. Goal: gain captured >= 0.8 in every case's balanced mode.
 
+Moving ownership with migrated units (TP, issue 31): `ownership_s` is the most a step would gain if the
+units' optimizer work moved with them, from each rank's measured optimizer step (the trace's
+`optimizer_s`), the units it sent and hosted, and its work units' share of its parameters.
+
 Writes benchmarks/results/real_contention.{md,json,png}; logs and traces go to
 benchmarks/results/real_contention_runs/.
 """
@@ -48,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import RESULTS, save_results, settings_to_args, torchrun
 from benchmarks.contention import core_share, pinned_launch, rank_pid, schedstat, two_cores
+from megahet.policy.layout_cost import ModelShape
 from megahet.runtime.balancer import compute_efficiency
 from megahet.runtime.trace_plot import read_trace
 from megahet.runtime.trace_writer import trace_path
@@ -56,11 +61,14 @@ RUNS = RESULTS / "real_contention_runs"
 RANKS = 2
 # A GPT whose compute dominates its step on two CPU ranks (hidden 512: the TP all-reduces are small
 # against the GEMMs), four layers, four micro-batches of 2 x 128 tokens per step (DP: two per replica).
+SHAPE = ModelShape(layers=4, hidden=512, heads=8, query_groups=8, ffn=2048, seq=128, vocab=1024)
 MODEL = [
-    *("--model.num_layers", "4", "--model.hidden_size", "512", "--model.num_attention_heads", "8"),
-    *("--model.seq_length", "128", "--data.vocab_size", "1024"),
-    *("--train.micro_batch_size", "2", "--train.global_batch_size", "8"),
+    *("--model.num_layers", str(SHAPE.layers), "--model.hidden_size", str(SHAPE.hidden)),
+    *("--model.num_attention_heads", str(SHAPE.heads), "--model.seq_length", str(SHAPE.seq)),
+    *("--data.vocab_size", str(SHAPE.vocab), "--train.micro_batch_size", "2", "--train.global_batch_size", "8"),
 ]
+UNIT_SHARE = SHAPE.layers * SHAPE.split_layer_params(2) / SHAPE.rank_params(2, SHAPE.layers, first=True, last=True)
+"""TP=2: the share of a rank's parameters (and so of its optimizer step) that belongs to its work units."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +112,7 @@ COLUMNS = [
     "fixed_s",
     "wait_s",
     "balance_eff",
+    "ownership_s",
 ]
 
 
@@ -206,6 +215,20 @@ def compute_only_ideal(traces: list[list[dict]], skip: int) -> float:
     return step_s - max(busy) * (1 - compute_efficiency(work, busy))
 
 
+def ownership_saving(traces: list[list[dict]], skip: int, unit_share: float = UNIT_SHARE) -> float:
+    """TP: the most a step would gain if the migrated units' ownership (weights, fp32 masters, Adam
+    moments) moved with them, so that their optimizer work did too. The optimizer step is a synchronous
+    phase, so that is the slowest rank's optimizer time minus the slowest one's once every rank's is
+    scaled by 1 - unit_share x (units sent - units hosted), medians over the steps after `skip`."""
+    rows = traces[0][skip:]
+    if not rows or "optimizer_s" not in rows[0]:
+        return float("nan")
+    ranks = range(len(rows[0]["optimizer_s"][0]))
+    optimizer = [statistics.median(r["optimizer_s"][0][t] for r in rows) for t in ranks]
+    moved = [statistics.median(r["sent"][0][t] - r["hosted"][0][t] for r in rows) for t in ranks]
+    return max(optimizer) - max(o * (1 - unit_share * m) for o, m in zip(optimizer, moved))
+
+
 def summarize(case: str, mode: str, contended: bool, traces: list[list[dict]], shares, skip: int) -> dict:
     parts = rank_steps(traces, skip)
     rows = [r for trace in traces for r in trace[skip:]]
@@ -224,6 +247,7 @@ def summarize(case: str, mode: str, contended: bool, traces: list[list[dict]], s
         "wait_s": min(parts["wait_s"]),
         "balance_eff": statistics.median(e for r in rows for e in r["efficiency"]),
         "compute_ideal_s": compute_only_ideal(traces, skip) if case == "tp" else float("nan"),
+        "ownership_s": ownership_saving(traces, skip) if case == "tp" else float("nan"),
     }
 
 

@@ -70,14 +70,19 @@ class ModelShape:
     def _norm(self) -> int:
         return self.hidden * (2 if self.layer_norm else 1)
 
-    def layer_params(self, tp: int = 1) -> int:
-        """One transformer layer's parameters on one of `tp` ranks."""
+    def split_layer_params(self, tp: int = 1) -> int:
+        """One transformer layer's parameters that TP splits, on one of `tp` ranks: its work units' (the
+        ones a TP plan resizes or migrates)."""
         h, qkv, up = self.hidden, self.hidden + 2 * self.kv, self.ffn * (2 if self.gated else 1)
         split = h * qkv + h * h + h * up + self.ffn * h  # QKV, projection, fc1 (gate and up), fc2
         if self.bias:
             split += qkv + up  # column-parallel biases are split; row-parallel ones are replicated
-        replicated = 2 * self._norm() + (2 * h if self.bias else 0)
-        return split // tp + replicated
+        return split // tp
+
+    def layer_params(self, tp: int = 1) -> int:
+        """One transformer layer's parameters on one of `tp` ranks."""
+        replicated = 2 * self._norm() + (2 * self.hidden if self.bias else 0)
+        return self.split_layer_params(tp) + replicated
 
     def rank_params(self, tp: int, layers: int, first: bool, last: bool, pp: int = 1) -> int:
         """A rank's parameters: its stage's `layers`, the embedding on the first stage, the final norm and

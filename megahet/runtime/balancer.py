@@ -147,7 +147,8 @@ class BalanceController(MeasuringHook):
         work = 3.0 * (self.resize.executor.executed_flops() - self._flops0)  # forward + 2x backward
         t = self.ctx.times
         mine = torch.tensor(
-            [self.layout.dp_rank, self.layout.tp_rank, work, t.layers_s, t.compute_s, t.wait_s, t.fixed_s],
+            [self.layout.dp_rank, self.layout.tp_rank, work, t.layers_s, t.compute_s, t.wait_s, t.fixed_s]
+            + [t.optimizer_s],
             dtype=torch.float64,
         )
         self._gather(mine, ps.get_tensor_and_data_parallel_group())
@@ -160,9 +161,10 @@ class BalanceController(MeasuringHook):
         rows, step, step_s = gathered
         table = {(int(r[0]), int(r[1])): r[2:].tolist() for r in rows}
         tp, dp = range(self.layout.tp_size), range(self.layout.dp_size)
-        # [field][dp][tp]: work, layers' own compute, all own compute, collective waits, fixed work
-        works, busys, computes, waits, fixeds = (
-            [[table[(d, t)][i] for t in tp] for d in dp] for i in range(5)
+        # [field][dp][tp]: work, layers' own compute, all own compute, collective waits, fixed work, and
+        # the optimizer step's part of it
+        works, busys, computes, waits, fixeds, optimizers = (
+            [[table[(d, t)][i] for t in tp] for d in dp] for i in range(6)
         )
         for d, (work, busy, fixed) in enumerate(zip(works, busys, fixeds)):
             self.estimators[d].update(work, busy)
@@ -171,7 +173,7 @@ class BalanceController(MeasuringHook):
         efficiency = [compute_efficiency(w, b, f if whole else None) for w, b, f in zip(works, busys, fixeds)]
         self._efficiency.append(efficiency[self.layout.dp_rank])
         if self.trace is not None:
-            self._write_trace(step, step_s, works, busys, efficiency, computes, waits, fixeds)
+            self._write_trace(step, step_s, works, busys, efficiency, computes, waits, fixeds, optimizers)
         self._due = (step + 1) % self.cfg.interval == 0 and all(e.ready for e in self.estimators)
 
     def _fixed_in_units(self, dp: int, busy: list[float], fixed_s: list[float]) -> list[float]:
@@ -265,7 +267,7 @@ class BalanceController(MeasuringHook):
     def _fractions(self, dp: int) -> dict[str, list[float]]:
         return self.resize.executor.plan.unit_fractions(self.resize.units, dp, self.layout.tp_size)
 
-    def _write_trace(self, step, step_s, works, busys, efficiency, computes, waits, fixeds) -> None:
+    def _write_trace(self, step, step_s, works, busys, efficiency, computes, waits, fixeds, optimizers) -> None:
         """One JSON line per step: the executed plan and the measurements, indexed [dp][tp]."""
         dps = range(self.layout.dp_size)
         fractions = [self._fractions(dp) for dp in dps]
@@ -278,6 +280,7 @@ class BalanceController(MeasuringHook):
             "compute_s": computes,
             "wait_s": waits,
             "fixed_s": fixeds,
+            "optimizer_s": optimizers,
             "work_gflop": [[w / 1e9 for w in ws] for ws in works],
             "speed": [self._speeds(dp) for dp in dps],
             "targets": [dataclasses.asdict(t) for t in self.targets],

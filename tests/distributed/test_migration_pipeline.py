@@ -80,3 +80,4 @@ def test_balancer_measures_every_pipeline_stage(runs: dict) -> None:
             layers, compute = r["busy_s"][0], r["compute_s"][0]
             assert all(0 < a <= b for a, b in zip(layers, compute)), r
             assert all(w >= 0 for w in r["wait_s"][0]) and r["step_s"] > max(compute)
+            assert all(0 < o <= f for o, f in zip(r["optimizer_s"][0], r["fixed_s"][0])), r  # its part

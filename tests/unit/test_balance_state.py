@@ -74,7 +74,8 @@ def _step(controller: BalanceController, step: int) -> dict:
     speeds = [1.0, _speed(step)]
     rows = [
         torch.tensor(
-            [0, tp, 1e9 * work[tp], work[tp] / speeds[tp], work[tp] / speeds[tp], 0.01, 0.1 / speeds[tp]],
+            [0, tp, 1e9 * work[tp], work[tp] / speeds[tp], work[tp] / speeds[tp], 0.01, 0.1 / speeds[tp]]
+            + [0.05 / speeds[tp]],  # the optimizer step's part of the fixed work
             dtype=torch.float64,
         )
         for tp in range(TP)
@@ -168,7 +169,8 @@ def test_declared_speeds_plan_the_tp_group_before_any_measurement(mode: str) -> 
 def _rows(work: list[float], layers_s: list[float], fixed_s: list[float]) -> list[torch.Tensor]:
     return [
         torch.tensor(
-            [0, tp, 1e9 * work[tp], layers_s[tp], layers_s[tp], 0.0, fixed_s[tp]], dtype=torch.float64
+            [0, tp, 1e9 * work[tp], layers_s[tp], layers_s[tp], 0.0, fixed_s[tp], fixed_s[tp]],
+            dtype=torch.float64,
         )
         for tp in range(TP)
     ]

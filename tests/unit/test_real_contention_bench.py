@@ -5,6 +5,7 @@ step split per rank, the capacity ideal from the core shares, the gain captured 
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.contention import competing_process, core_share, schedstat, two_cores
-from benchmarks.real_contention import add_capacity, goals, summarize
+from benchmarks.real_contention import UNIT_SHARE, add_capacity, goals, ownership_saving, summarize
 from megahet.runtime.balancer import compute_efficiency
 from tools.pin_ranks import rank_core
 
@@ -105,6 +106,19 @@ def test_capacity_ideal_gain_captured_and_goals():
     )
     assert lines[0].endswith("gain captured 0.58 (goal >= 0.8) -> MISSED")
     assert len(lines) == 2  # migrate and semi: static and the homogeneous run have no goal
+
+
+def test_ownership_saving_is_the_optimizer_phase_it_would_shorten():
+    """Rank 1 (optimizer step 0.15 s) sent half its units to rank 0 (0.05 s): with ownership moving, each
+    rank's optimizer work scales by 1 - unit_share x (sent - hosted), and the synchronous phase is the
+    slower of them. A trace without optimizer times (an older run) has no figure."""
+    rows = [{"optimizer_s": [[0.05, 0.15]], "sent": [[0.0, 0.5]], "hosted": [[0.5, 0.0]]}] * 3
+    assert ownership_saving([rows], skip=0, unit_share=1.0) == pytest.approx(0.15 - 0.075)
+    assert ownership_saving([rows], skip=0, unit_share=0.5) == pytest.approx(0.15 - 0.1125)
+    even = [{"optimizer_s": [[0.05, 0.15]], "sent": [[0.0, 0.0]], "hosted": [[0.0, 0.0]]}]
+    assert ownership_saving([even], skip=0) == 0.0
+    assert math.isnan(ownership_saving([_trace(3, [0.2, 0.2], [0.05, 0.05], 0.3)], skip=0))
+    assert 0.9 < UNIT_SHARE < 1.0  # the benchmark's GPT: 4 layers of hidden 512 beside a 1024-word embedding
 
 
 def test_a_run_pins_the_ranks_and_reads_every_stage_trace(tmp_path, monkeypatch):

@@ -36,7 +36,9 @@ def competing_process(core: int, processes: int = 1, nice: int = 0):
     the kernel's per-session group scheduling counts each as a tenant), killed when the block ends. A
     `nice` tenant (1-19) takes less of the core than the rank it shares it with (a milder straggler)."""
     procs = [
-        subprocess.Popen([sys.executable, "-c", BUSY_LOOP.format(core=core, nice=nice)], start_new_session=True)
+        subprocess.Popen(
+            [sys.executable, "-c", BUSY_LOOP.format(core=core, nice=nice)], start_new_session=True
+        )
         for _ in range(processes)
     ]
     try:

@@ -146,11 +146,8 @@ class BalanceController(MeasuringHook):
         few numbers travel while the step finishes; `_collect` waits for them)."""
         work = 3.0 * (self.resize.executor.executed_flops() - self._flops0)  # forward + 2x backward
         t = self.ctx.times
-        mine = torch.tensor(
-            [self.layout.dp_rank, self.layout.tp_rank, work, t.layers_s, t.compute_s, t.wait_s, t.fixed_s]
-            + [t.optimizer_s],
-            dtype=torch.float64,
-        )
+        where, times = [self.layout.dp_rank, self.layout.tp_rank], [t.layers_s, t.compute_s, t.wait_s]
+        mine = torch.tensor([*where, work, *times, t.fixed_s, t.optimizer_s], dtype=torch.float64)
         self._gather(mine, ps.get_tensor_and_data_parallel_group())
 
     def _collect(self) -> None:
@@ -267,7 +264,9 @@ class BalanceController(MeasuringHook):
     def _fractions(self, dp: int) -> dict[str, list[float]]:
         return self.resize.executor.plan.unit_fractions(self.resize.units, dp, self.layout.tp_size)
 
-    def _write_trace(self, step, step_s, works, busys, efficiency, computes, waits, fixeds, optimizers) -> None:
+    def _write_trace(
+        self, step, step_s, works, busys, efficiency, computes, waits, fixeds, optimizers
+    ) -> None:
         """One JSON line per step: the executed plan and the measurements, indexed [dp][tp]."""
         dps = range(self.layout.dp_size)
         fractions = [self._fractions(dp) for dp in dps]

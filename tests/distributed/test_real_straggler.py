@@ -361,7 +361,6 @@ def test_contended_stage_gets_fewer_layers(pp_run):
     assert statistics.median(r[f"speed_pp{run.slow}"] for r in late) < 0.8
 
 
-
 @pytest.fixture(scope="module")
 def semi_run(tmp_path_factory, gpt_data) -> ContendedRun:
     tenants = (Tenants(CALM_STEPS, processes=1, nice=MILD_NICE), Tenants(GAP_GROWS))
@@ -391,7 +390,9 @@ def test_semi_follows_a_real_gap_as_it_grows(semi_run):
         estimated = statistics.median(r[f"speed_tp{slow}"] for r in settled)
         kernel = shares[slow] / shares[fast]
         gap = (1 - estimated) / (1 + estimated)  # 1 - the ideal share 2s / (1 + s) of a TP=2 straggler
-        choice = "resize" if gap < SEMI_TOLERANCE - 0.1 else "migrate" if gap > SEMI_TOLERANCE + 0.05 else None
+        choice = (
+            "resize" if gap < SEMI_TOLERANCE - 0.1 else "migrate" if gap > SEMI_TOLERANCE + 0.05 else None
+        )
         print(f"after step {start}: kernel share ratio {kernel:.2f}, estimated speed {estimated:.2f}, gap "
               f"{gap:.2f}: {choice or 'too near the tolerance to check'}")  # fmt: skip
         assert abs(estimated - kernel) < 0.15, (start, estimated, kernel)
@@ -400,7 +401,10 @@ def test_semi_follows_a_real_gap_as_it_grows(semi_run):
         elif choice == "migrate":
             assert all(r[gamma] == 0 and r[moved] > 0.25 for r in settled), settled
         choices.append(choice)
-    if choices == ["resize", "migrate"]:  # as planned: resized while mild, migrating within 6 steps of the change
+    if choices == [
+        "resize",
+        "migrate",
+    ]:  # as planned: resized while mild, migrating within 6 steps of the change
         resized = run.first_step(run.contended_from, lambda r: r[gamma] > 0)
         migrated = run.first_step(run.contended_from, lambda r: r[moved] > 0)
         assert resized <= grown < migrated <= grown + 6, (resized, grown, migrated)

@@ -65,14 +65,8 @@ SHAPE = ModelShape(layers=4, hidden=512, heads=8, query_groups=8, ffn=2048, seq=
 MODEL = [
     *("--model.num_layers", str(SHAPE.layers), "--model.hidden_size", str(SHAPE.hidden)),
     *("--model.num_attention_heads", str(SHAPE.heads), "--model.seq_length", str(SHAPE.seq)),
-    *(
-        "--data.vocab_size",
-        str(SHAPE.vocab),
-        "--train.micro_batch_size",
-        "2",
-        "--train.global_batch_size",
-        "8",
-    ),
+    *("--data.vocab_size", str(SHAPE.vocab)),
+    *("--train.micro_batch_size", "2", "--train.global_batch_size", "8"),
 ]
 UNIT_SHARE = (
     SHAPE.layers * SHAPE.split_layer_params(2) / SHAPE.rank_params(2, SHAPE.layers, first=True, last=True)

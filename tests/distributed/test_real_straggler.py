@@ -31,6 +31,7 @@ import pytest
 from harness import GPT_MODEL, REPO, finish, skip_or_fail, start_torchrun, wait_until_quiet
 
 from benchmarks.contention import competing_process, core_share, rank_pid, schedstat, two_cores
+from megahet.policy.planner import ideal_shares
 
 CALM_STEPS, STEPS = 6, 26
 CONTENDERS = 2
@@ -367,11 +368,6 @@ def semi_run(tmp_path_factory, gpt_data) -> ContendedRun:
     return _contended_run(tmp_path_factory.mktemp("real_semi"), gpt_data, SEMI_BALANCE, tenants, SEMI_STEPS)
 
 
-def _gap(speed: float) -> float:
-    """A TP=2 straggler's gap at relative speed s: 1 - its ideal share 2s / (1 + s)."""
-    return (1 - speed) / (1 + speed)
-
-
 def test_semi_follows_a_real_gap_as_it_grows(semi_run):
     """SEMI under real contention that grows in steps (issue 31): first one lower-priority tenant shares
     rank 1's core (measured: 0.69 of it, estimated speed 0.70-0.77, gap ~0.17: rank 1 resizes 0.13-0.18 of
@@ -389,7 +385,7 @@ def test_semi_follows_a_real_gap_as_it_grows(semi_run):
         settled = run.steps(end - 3, end)  # the phase's last steps: its plan has had time to follow it
         estimated = statistics.median(r[f"speed_tp{slow}"] for r in settled)
         kernel = shares[slow] / shares[fast]
-        gap = (1 - estimated) / (1 + estimated)  # 1 - the ideal share 2s / (1 + s) of a TP=2 straggler
+        gap = 1 - ideal_shares([1.0, estimated])[1]  # the planner's gap of a TP=2 straggler
         choice = (
             "resize" if gap < SEMI_TOLERANCE - 0.1 else "migrate" if gap > SEMI_TOLERANCE + 0.05 else None
         )

@@ -25,9 +25,9 @@ Model FLOPs per step (Megatron's count, no recompute): 3 x tokens x (layers x [4
 (3 SwiGLU | 2 GELU) + 2 s h] + 2 h V), kv = h x groups / heads, the attention term the causal half flash
 attention computes (megahet/policy/flops.py). MFU is taken against the card's dense bf16 spec peak
 (989 TFLOP/s, H100 / H200 SXM: `mfu_spec`) and against the matrix rate measured here first (8192^3
-products: `mfu_measured`). `--profile` adds one megahet step under torch.profiler, its top kernels by
-device time. On CPU (no GPU) it runs fp32 as a smoke test of the script. Writes
-benchmarks/results/<name>.{md,json}.
+products: `mfu_measured`). `--profile` adds one step of megahet, megahet+measuring and megatron-core under
+torch.profiler: wall time, kernel time (the rest: idle gaps) and the top kernels by device time. On CPU
+(no GPU) it runs fp32 as a smoke test of the script. Writes benchmarks/results/<name>.{md,json}.
 """
 
 from __future__ import annotations
@@ -180,28 +180,36 @@ def model_parser(description: str, layers: int, seq: int, micro: int, accum: int
     return parser
 
 
-def profile_step(step, top: int = 15) -> list[dict]:
-    """One step under torch.profiler: the `top` kernels by self device time (CPU time without a GPU),
-    with their share of the step, so the gaps between compute kernels are named."""
+def profile_step(step, top: int = 15) -> dict:
+    """One step under torch.profiler: its wall time, the time the GPU ran kernels (the rest is idle gaps
+    between launches), and the `top` kernels by device time with their share of the kernel time (CPU ops
+    by self CPU time without a GPU)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda_available() else [])
+    gpu = cuda_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    step()  # outside the profile: nothing lazily built inside it
+    synchronize()
     with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
         step()
         synchronize()
-    key = "self_device_time_total" if cuda_available() else "self_cpu_time_total"
-    events = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
-    total = sum(getattr(e, key) for e in events) or 1.0
+        wall = time.perf_counter() - t0
+    if gpu:  # kernels only: an op's device time is its kernels', counted once
+        events = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+        key = "self_device_time_total"
+    else:
+        events, key = list(prof.key_averages()), "self_cpu_time_total"
+    events = [e for e in events if getattr(e, key, 0) > 0]
+    busy = sum(getattr(e, key) for e in events) or 1.0
     events.sort(key=lambda e: -getattr(e, key))
-    return [
-        {
-            "kernel": e.key[:90],
-            "calls": e.count,
-            "ms": getattr(e, key) / 1e3,
-            "share": getattr(e, key) / total,
-        }
+    kernels = [
+        {"kernel": e.key[:90], "calls": e.count, "ms": getattr(e, key) / 1e3, "share": getattr(e, key) / busy}
         for e in events[:top]
     ]
+    return {"wall_ms": wall * 1e3, "kernels_ms": busy / 1e3, "idle_share": 1 - busy / 1e3 / (wall * 1e3),
+            "top": kernels}  # fmt: skip
 
 
 def main() -> None:
@@ -258,8 +266,9 @@ def main() -> None:
         "query_groups": cfg.model.query_groups, "ffn": cfg.model.ffn_size, "spec_peak_tflops": SPEC_PEAK_TFLOPS,
         "flops_formula": "3 x tokens x (layers x [4h^2 + 4h kv + 2h ffn (3 SwiGLU, 2 GELU) + 2 s h] + 2 h V)",
     }  # fmt: skip
-    if args.profile:
-        meta["profile_top_kernels"] = profile_step(runs["megahet"])
+    if args.profile:  # megahet's step (plain and measuring) and plain megatron-core's, side by side
+        profiled = ("megahet", "megahet+measuring", "mcore")
+        meta["profile"] = {name: profile_step(runs[name]) for name in profiled if name in runs}
     columns = ["system", "step_s", "tokens_per_s", "tflops_per_s", "mfu_spec", "mfu_measured", "vs_mcore"]
     save_results(args.name, rows, columns, meta)
 

@@ -30,6 +30,13 @@ sys.path.insert(0, str(REPO / "tests" / "unit"))
 
 pytestmark = pytest.mark.gpu
 STEPS = 20
+RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """This process's environment for a launched run, less the rendezvous that `world1` set here (a
+    run given its MASTER_PORT fails with EADDRINUSE: the fixture's store holds that port)."""
+    return {**{k: v for k, v in os.environ.items() if k not in RENDEZVOUS}, **extra}
 
 
 def _train(script: str, tmp: Path, precision: str, steps: int, gpu: bool) -> list[float]:
@@ -38,7 +45,7 @@ def _train(script: str, tmp: Path, precision: str, steps: int, gpu: bool) -> lis
     cmd = [sys.executable, f"pretrain_{script}.py", "--train.train_iters", str(steps), "--train.precision",
            precision, "--train.log_interval", "1", "--train.eval_interval", str(steps),
            "--logging.wandb", "false", "--logging.metrics_file", str(metrics)]  # fmt: skip
-    env = {**os.environ} if gpu else {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    env = _env() if gpu else _env(CUDA_VISIBLE_DEVICES="")
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     return [r["loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
@@ -207,3 +214,60 @@ def test_packed_documents_run_the_varlen_kernel_and_match_per_document_attention
             )[0].transpose(0, 1).reshape(-1, 8 * hn)
         )  # fmt: skip
     torch.testing.assert_close(out.float(), torch.cat(expected), rtol=2e-2, atol=2e-2)
+
+
+def test_balancer_trace_on_the_gpu_times_compute_and_fixed_work_with_cuda_events(tmp_path: Path) -> None:
+    """pretrain_gpt --balance.mode semi --balance.trace on one GPU: every step's row carries the layers'
+    compute, the fixed work and its optimizer part (issue 31), all read from CUDA events: positive, the
+    optimizer step a part of the fixed work, and the plan's efficiency E in (0, 1]."""
+    trace = tmp_path / "semi.jsonl"
+    cmd = [sys.executable, "pretrain_gpt.py", "--train.train_iters", "8", "--train.log_interval", "4",
+           "--train.eval_interval", "8", "--logging.wandb", "false", "--balance.mode", "semi",
+           "--balance.trace", str(trace)]  # fmt: skip
+    out = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(rows) >= 6, rows
+    for row in rows[2:]:  # past the warm-up steps
+        compute, fixed, optimizer = row["compute_s"][0][0], row["fixed_s"][0][0], row["optimizer_s"][0][0]
+        assert compute > 0 and fixed > 0 and 0 < optimizer <= fixed, row
+        assert 0 < row["efficiency"][0] <= 1.0 + 1e-6, row
+
+
+def test_elastic_restart_reads_a_cpu_checkpoint_into_a_gpu_engine(tmp_path: Path) -> None:
+    """Issue 32's parallel elastic read into CUDA fragments: a DP 2 checkpoint saved by two CPU ranks (gloo)
+    resumes on one GPU. The rank reads its own slices (weights, fp32 masters and both saved ZeRO fragments'
+    Adam moments) memory-mapped from the saved files straight into its GPU engine, and training goes on
+    along the CPU run's curve (fp32; CPU and GPU kernels sum in other orders)."""
+    import shutil
+
+    sys.path.insert(0, str(REPO / "tests" / "distributed"))
+    from harness import GPT_MODEL, read_records, short_run
+
+    from megahet.launch import free_port
+
+    steps = 8
+    args = [*GPT_MODEL, *short_run(steps), "--train.save_interval", "4"]
+    cpu_env = _env(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+              "--master_port", str(free_port()), "pretrain_gpt.py"]  # fmt: skip
+    reference = [*args, "--train.save", str(tmp_path / "ref"),
+                 "--logging.metrics_file", str(tmp_path / "ref.jsonl")]  # fmt: skip
+    out = subprocess.run([*launch, *reference], cwd=REPO, env=cpu_env, capture_output=True, text=True,
+                         timeout=900, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    resume = tmp_path / "ck"
+    shutil.copytree(tmp_path / "ref" / "iter_0000004", resume / "iter_0000004")
+    (resume / "latest").write_text("iter_0000004")
+    gpu = [*args, "--train.load", str(resume), "--train.save", str(tmp_path / "gpu"),
+           "--logging.metrics_file", str(tmp_path / "gpu.jsonl")]  # fmt: skip
+    out = subprocess.run([sys.executable, "pretrain_gpt.py", *gpu], cwd=REPO, env=_env(), capture_output=True,
+                         text=True, timeout=900, check=False)  # fmt: skip
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-3000:]
+    assert "read its own slices of" in log and "resharded from TP 1 x PP 1 x DP 2" in log, log[-3000:]
+    expected, actual = read_records(tmp_path / "ref.jsonl"), read_records(tmp_path / "gpu.jsonl")
+    assert max(actual) == steps
+    for step in range(5, steps + 1):
+        for key in ("loss", "grad_norm", "lr"):
+            assert actual[step][key] == pytest.approx(expected[step][key], rel=2e-3), (step, key)

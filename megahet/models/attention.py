@@ -27,11 +27,11 @@ import dataclasses
 import functools
 import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -90,7 +90,7 @@ class SDPACoreAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
         tp = (
-            tensor_parallel.get_tensor_model_parallel_world_size()
+            parallel_state.get_tensor_model_parallel_world_size()
             if pg_collection is None
             else (pg_collection.tp.size())
         )
@@ -156,10 +156,7 @@ class SDPACoreAttention(MegatronModule):
         gqa = key.shape[1] != np_
         varlen = _varlen_attn() if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) else None
         if varlen is not None:
-            fn, causal = varlen
-            context = fn(query, key, value, cu, cu, params.max_seqlen_q, params.max_seqlen_q,
-                         scale=self.softmax_scale, enable_gqa=gqa, **causal)  # fmt: skip
-            return context.reshape(t, np_ * hn)
+            return varlen(query, key, value, cu, params.max_seqlen_q, self.softmax_scale).reshape(t, np_ * hn)
         lengths = list(getattr(params, "lengths", ())) or (cu[1:] - cu[:-1]).tolist()
         # 4-D (1, heads, s, hn) per document: with 3-D inputs the CPU takes SDPA's unfused math path
         # (measured 4.5x slower at s = 2048), with 4-D its flash kernel.
@@ -178,14 +175,44 @@ class SDPACoreAttention(MegatronModule):
         )  # fmt: skip
 
 
+@dataclasses.dataclass(frozen=True)
+class VarlenKernel:
+    """torch's varlen flash attention as this torch spells it: `causal`, its causal keyword; `takes_gqa`,
+    whether it takes `enable_gqa` (torch 2.13 does, 2.11 does not: there every query head is given its
+    key / value head by repeating them, exactly what enable_gqa computes)."""
+
+    fn: Callable
+    causal: dict
+    takes_gqa: bool
+
+    def __call__(self, query, key, value, cu, max_len: int, scale: float | None) -> torch.Tensor:
+        """(t, np, hn), (t, ng, hn) x2, cu_seqlens int32 [docs + 1] -> (t, np, hn), causal per document."""
+        gqa = {}
+        if key.shape[1] != query.shape[1]:
+            if self.takes_gqa:
+                gqa = {"enable_gqa": True}
+            else:
+                repeat = query.shape[1] // key.shape[1]
+                key, value = (x.repeat_interleave(repeat, 1) for x in (key, value))  # (t, np, hn)
+        return self.fn(query, key, value, cu, cu, max_len, max_len, scale=scale, **self.causal, **gqa)
+
+
 @functools.cache
-def _varlen_attn():
-    """(varlen_attn, its causal keyword) when this torch has the varlen API, else None. Its causal switch
-    was `is_causal=True` in early releases and `window_size=(-1, 0)` later: read from the signature."""
+def _varlen_attn() -> VarlenKernel | None:
+    """torch's varlen_attn and how to call it, when this torch has the varlen API, else None. Its causal
+    switch was `is_causal=True` in early releases and `window_size=(-1, 0)` later: read from the signature,
+    as is whether it takes `enable_gqa`."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
+    params = inspect.signature(varlen_attn).parameters
+    takes_gqa = "enable_gqa" in params
+    if "window_size" in params:
+        return VarlenKernel(varlen_attn, {"window_size": (-1, 0)}, takes_gqa)
+    if "is_causal" in params:
+        return VarlenKernel(varlen_attn, {"is_causal": True}, takes_gqa)
+    return None
     params = inspect.signature(varlen_attn).parameters
     if "window_size" in params:
         return varlen_attn, {"window_size": (-1, 0)}

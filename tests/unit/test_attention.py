@@ -111,6 +111,27 @@ def test_sdpa_equals_local_attention(world1, kind: str) -> None:
     _compare(models, "vit" if kind == "vit" else "gpt")
 
 
+@pytest.mark.parametrize("groups", [4, 2], ids=["mha", "gqa"])
+def test_sdpa_core_attention_builds_alone_without_a_process_group_collection(world1, groups: int) -> None:
+    """Built as megatron-core's DotProductAttention may be, with no pg_collection (the TP size then comes
+    from parallel_state; the GPU suite builds it so, and an H200 run once failed there), it computes causal
+    softmax attention: fp32 reference on the repeated key/value heads."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megahet.models.common import transformer_config
+
+    cfg = _cfg(**{"model.num_query_groups": groups})
+    core = SDPACoreAttention(transformer_config(cfg), 1, AttnMaskType.causal, "self")
+    heads, hn = cfg.model.num_attention_heads, cfg.model.hidden_size // cfg.model.num_attention_heads
+    q = torch.randn(SEQ, BATCH, heads, hn)  # sbhd
+    k, v = (torch.randn(SEQ, BATCH, groups, hn) for _ in range(2))
+    r = heads // groups
+    scores = torch.einsum("sbhd,tbhd->bhst", q, k.repeat_interleave(r, 2)) / hn**0.5
+    scores = scores.masked_fill(torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1), float("-inf"))
+    reference = torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), v.repeat_interleave(r, 2))
+    torch.testing.assert_close(core(q, k, v, None), reference.reshape(SEQ, BATCH, -1), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["gpt", "vit"])
 def test_sdpa_equals_local_with_heads_dropped(world1, kind: str) -> None:
     build = _vit if kind == "vit" else _gpt

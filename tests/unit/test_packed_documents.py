@@ -123,8 +123,8 @@ def test_the_varlen_kernels_causal_switch_is_read_from_its_signature(monkeypatch
     from megahet.models import attention
 
     attention._varlen_attn.cache_clear()
-    _, causal = attention._varlen_attn()
-    assert causal == {"window_size": (-1, 0)}  # this torch
+    kernel = attention._varlen_attn()
+    assert kernel.causal == {"window_size": (-1, 0)} and kernel.takes_gqa  # this torch
 
     def early(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, scale=None):
         return query
@@ -138,6 +138,44 @@ def test_the_varlen_kernels_causal_switch_is_read_from_its_signature(monkeypatch
         monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", module)
         attention._varlen_attn.cache_clear()
         found = attention._varlen_attn()
-        assert (found[1] if found else None) == expected
+        assert (found.causal if found else None) == expected
+        assert found is None or not found.takes_gqa
     monkeypatch.undo()
     attention._varlen_attn.cache_clear()
+
+
+@pytest.mark.parametrize("takes_gqa", [True, False], ids=["enable_gqa", "no_enable_gqa"])
+def test_the_varlen_kernel_gives_grouped_query_heads_their_key_value_heads(takes_gqa: bool) -> None:
+    """Grouped-query attention through varlen_attn: torch 2.13's takes enable_gqa; torch 2.11's has no such
+    keyword (an H200 run raised TypeError), so the key / value heads are repeated for it. Either way each
+    document's causal attention equals SDPA with enable_gqa run on that document alone. The kernel is
+    stood in for by per-document SDPA with the same signature (the real one needs CUDA)."""
+    import itertools
+
+    import torch.nn.functional as F
+
+    from megahet.models.attention import VarlenKernel
+
+    lengths, heads, groups, hn = [5, 3, 8], 4, 2, 8
+
+    def per_document(query, key, value, cu_q, cu_k, max_q, max_k, *, scale=None, is_causal=False, **gqa):
+        assert is_causal and (gqa == {"enable_gqa": True}) == takes_gqa
+        assert takes_gqa or key.shape[1] == query.shape[1]
+        bounds = cu_q.tolist()
+        out = [
+            F.scaled_dot_product_attention(*(x[a:b].transpose(0, 1) for x in (query, key, value)), is_causal=True,
+                                           scale=scale, enable_gqa=takes_gqa).transpose(0, 1)
+            for a, b in itertools.pairwise(bounds)
+        ]  # fmt: skip
+        return torch.cat(out)
+
+    t = sum(lengths)
+    q, k, v = torch.randn(t, heads, hn), torch.randn(t, groups, hn), torch.randn(t, groups, hn)
+    cu = torch.tensor([0, 5, 8, 16], dtype=torch.int32)
+    out = VarlenKernel(per_document, {"is_causal": True}, takes_gqa)(q, k, v, cu, max(lengths), None)
+    expected = torch.cat([
+        F.scaled_dot_product_attention(qd.transpose(0, 1), kd.transpose(0, 1), vd.transpose(0, 1), is_causal=True,
+                                       enable_gqa=True).transpose(0, 1)
+        for qd, kd, vd in zip(q.split(lengths), k.split(lengths), v.split(lengths))
+    ])  # fmt: skip
+    torch.testing.assert_close(out, expected)

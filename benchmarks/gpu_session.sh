@@ -36,11 +36,12 @@ for step in $steps; do
     case $step in
     suite) run gpu_suite 240 python3 -m pytest -m gpu tests/test_gpu.py -q -rs -p no:cacheprovider ;;
     retest) run gpu_retest 150 python3 -m pytest -m gpu tests/test_gpu.py -q -rs -p no:cacheprovider \
-        -k "sdpa or packed or balancer_trace or elastic" ;;
+        -k "${RETEST_K:-sdpa or packed or balancer_trace or elastic}" ;;
     llama) run llama 170 python3 benchmarks/gpu_throughput.py --arch llama --layers 24 --hidden 1536 --heads 12 \
         --groups 4 --ffn 4096 --seq 2048 --micro 4 --accum 2 --steps 5 --rounds 2 --profile \
         --name gpu_throughput_llama && cp benchmarks/results/gpu_throughput_llama.json "$OUT"/ ;;
     gpt) run gpt 120 python3 benchmarks/gpu_throughput.py --steps 5 --rounds 2 --profile --name gpu_throughput_sdpa \
+        --ds-variant contiguous='{"zero_optimization": {"contiguous_gradients": true}}' \
         && cp benchmarks/results/gpu_throughput_sdpa.json "$OUT"/ ;;
     contention) run contention 90 python3 benchmarks/gpu_contention.py \
         && cp benchmarks/results/gpu_contention.json "$OUT"/ ;;

@@ -13,7 +13,9 @@ optimizer steps so that all three see the same machine:
 - `megahet+measuring`: the same with the balancer measuring only (`--balance.trace`, mode static):
   resizable layers and the CUDA-event clock, no planning;
 - `megahet+balancer`: the SEMI balancer running (measuring and a planning decision every step) on a
-  healthy device: what measuring and deciding cost.
+  healthy device: what measuring and deciding cost;
+- `megahet+NAME` for each `--ds-variant NAME=JSON`: megahet with that ds_config, e.g.
+  `--ds-variant contiguous='{"zero_optimization": {"contiguous_gradients": true}}'`.
 
 `--arch llama` trains the Llama shape instead (rotary positions, RMSNorm, SwiGLU with `--ffn`, `--groups`
 key/value heads, untied output layer, no biases), e.g. the 0.6 B model of examples/gpu:
@@ -222,6 +224,8 @@ def main() -> None:
     parser.add_argument("--attention", choices=["sdpa", "local"], default="sdpa")
     parser.add_argument("--profile", action="store_true", help="also profile one megahet step")
     parser.add_argument("--name", default="gpu_throughput", help="results file name")
+    parser.add_argument("--ds-variant", action="append", default=[], metavar="NAME=JSON",
+                        help="also time megahet with this ds_config, as megahet+NAME (repeatable)")  # fmt: skip
     args = parser.parse_args()
 
     runs = {}
@@ -229,6 +233,11 @@ def main() -> None:
     trace = Path(tempfile.mkdtemp()) / "trace.jsonl"
     runs["megahet+measuring"], *_ = megahet_step_fn(args, ["--balance.trace", str(trace)])
     runs["megahet+balancer"], *_ = megahet_step_fn(args, ["--balance.mode", "semi"])
+    for variant in args.ds_variant:  # megahet with a ds_config on top, in the same interleaved blocks
+        name, _, settings = variant.partition("=")
+        ds_json = trace.parent / f"{name}.json"
+        ds_json.write_text(settings)
+        runs[f"megahet+{name}"], *_ = megahet_step_fn(args, ["--train.deepspeed_config", str(ds_json)])
     vocab = pretrain_gpt.SPEC.vocab_size(cfg)
     mcore_opt = "needs CUDA (megatron-core's optimizer allocates its loss scale there)"
     if cuda_available():

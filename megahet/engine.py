@@ -55,6 +55,15 @@ def fold_deepspeed_json(cfg: MegahetConfig) -> tuple[MegahetConfig, dict[str, An
     return folded, user
 
 
+def zero_settings(stage: int) -> dict[str, Any]:
+    """DeepSpeed's zero_optimization section. ZeRO-1 without contiguous gradients: each gradient stays in
+    param.grad until the step's reduction (as megatron-core's DDP without overlap), so DeepSpeed registers
+    no per-parameter backward hook that copies every gradient into its bucket buffer (a Python call and a
+    copy kernel per parameter per micro-batch; on an H200 the GPT step was host-bound). ZeRO-2 keeps them:
+    it partitions gradients as they are produced. A ds_config can set either back."""
+    return {"stage": stage, **({"contiguous_gradients": False} if stage == 1 else {})}
+
+
 def deepspeed_config(cfg: MegahetConfig, dp_size: int, user: dict[str, Any]) -> dict[str, Any]:
     t = cfg.train
     ds = {
@@ -76,7 +85,7 @@ def deepspeed_config(cfg: MegahetConfig, dp_size: int, user: dict[str, Any]) -> 
                 **({"fused": True} if cuda_available() else {}),
             },
         },
-        "zero_optimization": {"stage": cfg.parallel.zero_stage},
+        "zero_optimization": zero_settings(cfg.parallel.zero_stage),
         "gradient_clipping": t.clip_grad,
         "bf16": {"enabled": t.precision == "bf16"},
         "steps_per_print": 2**31 - 1,

@@ -355,6 +355,18 @@ def test_build_engine_uses_groups_and_schedule(world1) -> None:
     assert lrs[0] == pytest.approx(1e-2 / 4)
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero1_registers_no_per_parameter_gradient_hooks(world1, stage: int) -> None:
+    """ZeRO-1 leaves gradients in param.grad until the step (no hook, no bucket copy per parameter per
+    micro-batch: host time on a GPU); ZeRO-2 partitions them as they come, through its hooks."""
+    cfg = _cfg(**{"train.global_batch_size": 4, "train.micro_batch_size": 2, "parallel.zero_stage": stage})
+    model = _Toy()
+    engine = build_engine(cfg, model, 1, {})
+    hooks = engine.optimizer._grad_acc_hooks
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert len(hooks) == (0 if stage == 1 else len(trained)), len(hooks)
+
+
 # --- lr_lambda() ---------------------------------------------------------------------------------
 
 

@@ -40,6 +40,7 @@ import itertools
 import json
 import os
 import shutil
+import statistics
 import sys
 import threading
 import time
@@ -163,10 +164,10 @@ def _copy_s(nbytes: int) -> float:
     return float(seconds)
 
 
-def worker_resplit(shape: Shape, out: Path, old_path: bool = True) -> None:
+def worker_resplit(shape: Shape, out: Path, old_path: bool = True, repeats: int = 1) -> None:
     """4 ranks: one step, save the step-1 checkpoint (for the elastic case), then re-split one layer the
-    old way (4,4 -> 5,3 at 8 layers) and the plan's way (5,3 -> 4,4); without `old_path`, the plan's way
-    only (4,4 -> 5,3)."""
+    old way (4,4 -> 5,3 at 8 layers) and the plan's way `repeats` times, back and forth (5,3 -> 4,4 -> ...);
+    without `old_path`, the plan's way only (4,4 -> 5,3 -> ...)."""
     import torch.distributed as dist
 
     import pretrain_gpt
@@ -208,30 +209,34 @@ def worker_resplit(shape: Shape, out: Path, old_path: bool = True) -> None:
         }  # fmt: skip
         split, other = other, split
 
-    # (b) the plan's way: 5,3 -> 4,4 (at 8 layers; 4,4 -> 5,3 without the old way), the layer moves rank to rank
-    m = cfg.model
-    params = live_params(trainer.engine.module, trainer.layout, split, m.activation == "swiglu", True)
-    lay = Layout(trainer.layout.tp_size, 2, trainer.layout.dp_size, split)
-    plan = reshard_plan(params, lay, dataclasses.replace(lay, split=other))
-    itemsize = dict.fromkeys(KEYS, 4)
-    raw_s = _raw_send_s(plan, trainer.layout.rank, itemsize)
-    copy_s = _copy_s(_shard_bytes(trainer))
-
+    # (b) the plan's way, `repeats` times back and forth (5,3 -> 4,4 -> 5,3 ... at 8 layers; 4,4 -> 5,3 first
+    # without the old way): each re-split moves one layer rank to rank, right after a plain send of the same
+    # bytes between the same ranks, so that every transfer has its reference measured beside it
     def rebuild(p, restore, n):
         return build_trainer(p, spec, layout, None, logger, n, (), restore)
 
-    trainer.pending_split = other
-    gc.collect()
-    with PeakRSS() as rss_b:
-        t0 = time.perf_counter()
-        trainer = resplit(trainer, rebuild)
-        t_done = time.perf_counter()
-    cost = trainer.last_resplit
-    new = {
-        "plan_s": cost.plan_s, "transfer_s": cost.transfer_s, "build_s": cost.build_s, "total_s": t_done - t0,
-        "peak_rss": rss_b.peak, "rss_before": rss_b.before, "bytes_moved": cost.bytes_moved,
-        "bytes_minimum": plan.bytes_moved(itemsize), "raw_send_s": raw_s, "shard_copy_s": copy_s,
-    }  # fmt: skip
+    m, itemsize, runs = cfg.model, None, []
+    for _ in range(repeats):
+        params = live_params(trainer.engine.module, trainer.layout, split, m.activation == "swiglu", True)
+        lay = Layout(trainer.layout.tp_size, 2, trainer.layout.dp_size, split)
+        plan = reshard_plan(params, lay, dataclasses.replace(lay, split=other))
+        itemsize = dict.fromkeys(KEYS, 4)
+        raw_s = _raw_send_s(plan, trainer.layout.rank, itemsize)
+        copy_s = _copy_s(_shard_bytes(trainer))
+        trainer.pending_split = other
+        gc.collect()
+        with PeakRSS() as rss_b:
+            t0 = time.perf_counter()
+            trainer = resplit(trainer, rebuild)
+            t_done = time.perf_counter()
+        cost = trainer.last_resplit
+        runs.append({
+            "plan_s": cost.plan_s, "transfer_s": cost.transfer_s, "build_s": cost.build_s, "total_s": t_done - t0,
+            "peak_rss": rss_b.peak, "rss_before": rss_b.before, "bytes_moved": cost.bytes_moved,
+            "bytes_minimum": plan.bytes_moved(itemsize), "raw_send_s": raw_s, "shard_copy_s": copy_s,
+        })  # fmt: skip
+        split, other = other, split
+    new = {**runs[0], "repeats": runs}
     row = {"rank": trainer.layout.rank, "old": old, "new": new, "shard": _shard_bytes(trainer)}
     row["shard_before"] = shard_before
     rows = _gather(row)
@@ -247,6 +252,7 @@ def worker_elastic(shape: Shape, out: Path, old_path: bool = True) -> None:
     import torch.distributed as dist
 
     import pretrain_gpt
+    from megahet.checkpointing.checkpoint import Restore
     from megahet.checkpointing.elastic import read_resharded, reshard_checkpoint
     from megahet.config import load_config
     from megahet.parallel import initialize_parallel
@@ -280,7 +286,7 @@ def worker_elastic(shape: Shape, out: Path, old_path: bool = True) -> None:
         t_read = time.perf_counter()
     assert resumed is not None, "the reshard plan should apply"
     with PeakRSS() as rss_b:
-        trainer = build_trainer(plan, spec, layout, None, restore=resumed.restore)
+        trainer = build_trainer(plan, spec, layout, None, restore=Restore(resumed.weights, resumed.restore))
         dist.barrier()
         t_done = time.perf_counter()
     new = {
@@ -294,7 +300,7 @@ def worker_elastic(shape: Shape, out: Path, old_path: bool = True) -> None:
     dist.barrier()
 
 
-def _run(shape: Shape, out: Path, old_path: bool = True) -> dict:
+def _run(shape: Shape, out: Path, old_path: bool = True, repeats: int = 1) -> dict:
     from benchmarks.common import torchrun
 
     out.mkdir(parents=True, exist_ok=True)
@@ -302,6 +308,7 @@ def _run(shape: Shape, out: Path, old_path: bool = True) -> dict:
     common = ["--worker", "--out", str(out)]
     common += ["--hidden", str(shape.hidden), "--heads", str(shape.heads), "--layers", str(shape.layers)]
     common += ["--old-path"] if old_path else []
+    common += ["--repeats", str(repeats)]
     t_resplit = torchrun(me, 4, [*common, "--case", "resplit"], out / "resplit.log")
     t_elastic = torchrun(me, 2, [*common, "--case", "elastic"], out / "elastic.log")
     resplit = json.loads((out / "resplit.json").read_text())
@@ -337,15 +344,30 @@ def _rows(size: str, result: dict, layers: int = 8) -> list[dict]:
             "shard_MiB": shard / mib, "peak_over_shard": peak(ranks, "old") / shard,
             "bytes_MiB": 2 * ranks[0]["old"]["disk_bytes"] / mib, "minimum_MiB": minimum / mib,
         })  # fmt: skip
-    transfer, raw = worst(ranks, "new", "transfer_s"), worst(ranks, "new", "raw_send_s")
-    parts = f"plan {worst(ranks, 'new', 'plan_s'):.2f} + transfer {transfer:.2f} (plain send {raw:.2f}: "
-    build, copy = worst(ranks, "new", "build_s"), worst(ranks, "new", "shard_copy_s")
-    parts += f"x{transfer / raw:.1f}) + build {build:.2f} ({build / copy:.1f} copies of the own shard)"
+    # the plan's re-splits, each part the slowest rank's; over repeats, medians (the peak: the worst)
+    repeats = range(len(ranks[0]["new"].get("repeats", [ranks[0]["new"]])))
+
+    def each(key: str) -> list[float]:
+        return [max(r["new"].get("repeats", [r["new"]])[i][key] for r in ranks) for i in repeats]
+
+    def median(key: str) -> float:
+        return statistics.median(each(key))
+
+    ratios = [t / r for t, r in zip(each("transfer_s"), each("raw_send_s"))]
+    parts = f"plan {median('plan_s'):.2f} + transfer {median('transfer_s'):.2f} (plain send {median('raw_send_s'):.2f}: "
+    parts += f"x{statistics.median(ratios):.1f}" + (
+        f", x{min(ratios):.1f}-{max(ratios):.1f} over {len(ratios)}" if len(ratios) > 1 else ""
+    )
+    build, copy = median("build_s"), median("shard_copy_s")
+    parts += f") + build {build:.2f} ({build / copy:.1f} copies of the own shard)"
+    peak_new = max(
+        run["peak_rss"] - run["rss_before"] for r in ranks for run in r["new"].get("repeats", [r["new"]])
+    )
     rows.append({
-        **base, "change": "re-split 1 layer", "path": "plan (rank to rank)", "time_s": worst(ranks, "new", "total_s"),
-        "parts": parts, "peak_extra_MiB": peak(ranks, "new") / mib, "shard_MiB": shard / mib,
-        "peak_over_shard": peak(ranks, "new") / shard, "bytes_MiB": ranks[0]["new"]["bytes_moved"] / mib,
-        "minimum_MiB": minimum / mib,
+        **base, "change": "re-split 1 layer", "path": "plan (rank to rank)", "time_s": median("total_s"),
+        "parts": parts, "peak_extra_MiB": peak_new / mib, "shard_MiB": shard / mib,
+        "peak_over_shard": peak_new / shard, "bytes_MiB": ranks[0]["new"]["bytes_moved"] / mib,
+        "minimum_MiB": minimum / mib, "transfer_over_send": statistics.median(ratios), "repeats": len(ratios),
     })  # fmt: skip
     for path, key, label in (
         ("rank 0 (merge, write, load)", "old", "reshard"),
@@ -428,6 +450,8 @@ def main() -> None:
         default="10M,100M",
         help="sizes at which rank 0's path runs too (it holds the whole model on one host: 400M does not fit 24 GiB)",
     )
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="the plan's re-splits per size, back and forth, each beside its plain send")  # fmt: skip
     parser.add_argument("--old-path", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--name", default="reshard_cost")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -438,7 +462,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         shape = Shape(args.hidden, args.heads, int(args.layers))
-        (worker_resplit if args.case == "resplit" else worker_elastic)(shape, args.out, args.old_path)
+        if args.case == "resplit":
+            worker_resplit(shape, args.out, args.old_path, args.repeats)
+        else:
+            worker_elastic(shape, args.out, args.old_path)
         return
     from benchmarks.common import RESULTS, save_results
 
@@ -458,7 +485,7 @@ def main() -> None:
             shutil.rmtree(work / key, ignore_errors=True)
             try:
                 old_path = size in args.old_sizes.split(",")
-                raw[key] = _run(Shape(*SIZES[size], layers), work / key, old_path)
+                raw[key] = _run(Shape(*SIZES[size], layers), work / key, old_path, args.repeats)
             finally:  # the checkpoints: large (20 GB at 400M), and re-made by a rerun
                 for folder in ("ck", "old_resplit", "old_elastic"):
                     shutil.rmtree(work / key / folder, ignore_errors=True)

@@ -9,6 +9,11 @@ calls that assume CUDA are in megahet/compat/cpu_shims.py.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+import gc
+
 import torch
 
 
@@ -40,3 +45,24 @@ def distributed_backend() -> str:
     """gloo on CPU; on GPUs NCCL for CUDA tensors plus gloo for the few host-side numbers (metrics,
     the balancer's measurements, priority scores), as torchtitan does for CPU tensors."""
     return "cuda:nccl,cpu:gloo" if cuda_available() else "gloo"
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim, or None (another C library)."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    return getattr(libc, "malloc_trim", None)
+
+
+def release_freed_memory() -> None:
+    """Give the memory of freed tensors back to the system: the CUDA caching allocator's unused blocks,
+    and on glibc hosts the malloc heap's free pages. Tensors under glibc's dynamic mmap threshold (up to
+    32 MiB) live in the heap, whose freed pages otherwise stay resident: a re-split that frees one
+    engine and builds another would hold both in RSS."""
+    gc.collect()
+    if cuda_available():
+        torch.cuda.empty_cache()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

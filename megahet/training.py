@@ -14,7 +14,7 @@ import dataclasses
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ from megahet.failures import (
 )
 from megahet.logging import TrainingLogger
 from megahet.parallel import ParallelLayout, destroy_parallel, initialize_parallel
-from megahet.platform import cuda_available, device
+from megahet.platform import cuda_available, device, release_freed_memory
 from megahet.run_plan import RunPlan, plan_run
 from megahet.runtime.hook_builder import build_step_hooks
 from megahet.runtime.hooks import StepHook
@@ -60,7 +60,7 @@ def setup(cfg: MegahetConfig, spec: TaskSpec, extra_hooks: Sequence[StepHook] = 
     if plan.reshard:  # every rank reads its own slices; else rank 0 reshards the whole checkpoint
         resumed = read_resharded(cfg, resume, layout, plan.split)
         if resumed is not None:
-            resume, restore = None, resumed.restore
+            resume, restore = None, checkpoint.Restore(resumed.weights, resumed.restore)
         else:
             resume = reshard_checkpoint(cfg, resume, layout.rank, plan.split)
     if layout.rank == 0:
@@ -77,17 +77,20 @@ def build_trainer(
     logger: TrainingLogger | None = None,
     resplits: int = 0,
     extra_hooks: Sequence[StepHook] = (),
-    restore: Callable[[Trainer], tuple[checkpoint.Progress, str]] | None = None,
+    restore: checkpoint.Restore | None = None,
 ) -> Trainer:
     """Build the task, engine, logger and step hooks of `plan` on the started process groups and load
     `resume` (setup(); a re-split builds again with the new plan's layers per stage, the same logger, its
     count of re-splits and the caller's `extra_hooks`, which run after megahet's, and `restore`s the
-    state it moved: restore(trainer) -> (progress, what was restored))."""
+    state it moved: its weights into the model before the engine is built, the rest into the engine)."""
     cfg = plan.cfg
     loaded = resume is not None or restore is not None  # every weight is overwritten: skip their init
     layout = dataclasses.replace(layout, stage_layers=plan.split, weights_loaded=loaded)
     t_build = time.perf_counter()
     task = spec.build(cfg, layout)
+    if restore is not None:  # the moved or read weights into the model, their copy freed before the engine
+        restore.weights(task.model)
+        release_freed_memory()
     engine = build_engine(cfg, task.model, layout.dp_size, dict(plan.user_ds))
     build_s = torch.tensor([time.perf_counter() - t_build], dtype=torch.float64, device=device())
     dist.all_reduce(build_s, op=dist.ReduceOp.MAX)  # one value on every rank: decisions that use it agree
@@ -106,7 +109,7 @@ def build_trainer(
         progress, seconds = checkpoint.load(trainer.checkpoint_parts(), resume, resplit=resplits > 0)
         restored = f"resumed from {resume.path} (step {progress.iteration}) in {seconds:.2f} s"
     elif restore is not None:
-        progress, restored = restore(trainer)
+        progress, restored = restore.state(trainer)
     if progress is not None:
         trainer.resume_at(progress)
         position = getattr(task.train_data, "seek", None)

@@ -71,6 +71,18 @@ class Progress:
 
 
 @dataclasses.dataclass(frozen=True)
+class Restore:
+    """State moved or read for a stage about to be built (a re-split, a parallel elastic read), loaded in
+    two parts so that no rank holds its weights twice: `weights(model)` writes them into the freshly built
+    model before DeepSpeed's engine is made from it (and drops its own copy); `state(trainer)` writes the
+    rest (fp32 masters, Adam moments, schedule, step) into the engine -> (the progress, what was
+    restored)."""
+
+    weights: Callable[[torch.nn.Module], None]
+    state: Callable[[Any], tuple[Progress, str]]
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointParts:
     """What a checkpoint saves and restores, named: the DeepSpeed engine (model, ZeRO optimizer shards,
     LR schedule), the step hooks (those `checkpointed` keep their state), and what megahet.json records

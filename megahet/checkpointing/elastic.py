@@ -33,7 +33,8 @@ the uninterrupted run within fp32 reduction noise. RNG streams and step-hook sta
 speed samples and plan) belong to the old layout and start fresh.
 
     resumed = read_resharded(cfg, resume, layout, split)    # None: use reshard_checkpoint
-    progress, note = resumed.restore(trainer)                # into the new Trainer's engine
+    resumed.weights(model)                                   # into the new stage, before its engine
+    progress, note = resumed.restore(trainer)                # the rest into the new Trainer's engine
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from megahet.checkpointing.sharded_state import (
     saved_layout,
     saved_scalars,
 )
-from megahet.checkpointing.state_slices import Flat, load_engine_state
+from megahet.checkpointing.state_slices import Flat, load_engine_state, load_weights
 from megahet.compat.deepspeed_checkpoint import model_states_file
 from megahet.config import ConfigError, MegahetConfig
 from megahet.config_checks import validate
@@ -185,10 +186,16 @@ class ResumedState:
     progress: Progress
     note: str
 
+    def weights(self, model: torch.nn.Module) -> None:
+        """Write the weights into the freshly built model, before its engine is made (and drop them)."""
+        load_weights(model, self.holdings, self.state)
+
     def restore(self, trainer) -> tuple[Progress, str]:
-        """Load it into the new Trainer's engine; (the saved progress, what was restored)."""
+        """Load the rest into the new Trainer's engine; (the saved progress, what was restored)."""
         engine = trainer.engine
-        load_engine_state(engine, self.holdings, self.state, self.scalars["step"], self.scalars["lr"])
+        load_engine_state(
+            engine, self.holdings, self.state, self.scalars["step"], self.scalars["lr"], weights_loaded=True
+        )
         if self.scalars["lr_scheduler"] is not None and engine.lr_scheduler is not None:
             engine.lr_scheduler.load_state_dict(self.scalars["lr_scheduler"])
         if self.scalars["global_steps"] is not None:

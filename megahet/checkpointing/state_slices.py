@@ -131,20 +131,37 @@ def _fragment_view(fragment, key: str, optimizer) -> torch.Tensor:
     return zero.fragment_optimizer_state(fragment, optimizer)[key]
 
 
-def load_engine_state(engine, holdings: State, flat: Flat, step: int, lrs: list[float] | None) -> None:
+def load_weights(model: torch.nn.Module, holdings: State, flat: Flat) -> None:
+    """Write the weights of this rank's new state (`flat`, of `holdings`) into a freshly built `model`,
+    before its engine is made, and drop them from `flat`: DeepSpeed then flattens the parameters into its
+    buffers, and no second copy of the weights is held while it does."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for (name, key), h in holdings.items():
+            if key == WEIGHT:
+                params[h.local_name].view(-1).copy_(flat.pop((name, key)))
+
+
+def load_engine_state(
+    engine, holdings: State, flat: Flat, step: int, lrs: list[float] | None, weights_loaded: bool = False
+) -> None:
     """Write this rank's new state (`flat`, of `holdings`) into a freshly built engine: the weights into
-    the module's parameters, the fp32 masters and Adam moments (at Adam `step`, learning rates `lrs`)
-    into its ZeRO fragments."""
+    the module's parameters (unless `weights_loaded`: load_weights wrote them before the engine was
+    built), the fp32 masters and then the Adam moments (at Adam `step`, learning rates `lrs`) into its
+    ZeRO fragments. Consumes `flat`: each tensor is dropped once written, and the fp32 masters before
+    the moments are made, so that the state is never held twice over."""
     params = dict(engine.module.named_parameters())
     missing = sorted(set(params) - {h.local_name for h in holdings.values()})
     if missing:
         raise ValueError(
             f"the reshard plan holds no state for {missing[0]}: it would keep its fresh initial values"
         )
-    prepare_adam(engine, step, lrs)
-    with torch.no_grad():
+
+    def write(keys: set[str]) -> None:
         for (name, key), h in holdings.items():
-            param, values = params[h.local_name], flat[(name, key)]
+            if key not in keys:
+                continue
+            param, values = params[h.local_name], flat.pop((name, key))
             if key == WEIGHT:
                 param.view(-1).copy_(values)
                 continue
@@ -154,3 +171,8 @@ def load_engine_state(engine, holdings: State, flat: Flat, step: int, lrs: list[
             if zero.fragment_range(fragment) != (h.lo, h.hi):
                 raise ValueError(f"{h.local_name}: the new engine's ZeRO fragment is not the plan's")
             _fragment_view(fragment, key, engine.optimizer).copy_(values)
+
+    with torch.no_grad():
+        write({"fp32"} if weights_loaded else {WEIGHT, "fp32"})
+        prepare_adam(engine, step, lrs)
+        write({"exp_avg", "exp_avg_sq"})

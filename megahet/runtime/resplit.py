@@ -12,9 +12,11 @@ calls it between two steps, in the same processes and process groups).
    state, and the ZeRO fragments whose DP owner changes because a stage's flat partition grew or
    shrank. Nothing is written to disk, and no rank gathers the model. Each rank then copies what it
    keeps (`keep`).
-3. The old engine and stage modules are freed; every rank builds its stage for the new split and a new
-   DeepSpeed engine, and writes the state it now holds into it (`load_engine_state`), with Adam's step,
-   the learning rates, the LR schedule and the engine's step count.
+3. The old engine and stage modules are freed (and their memory given back: `release_freed_memory`);
+   every rank builds its stage for the new split, writes the weights it now holds into it before the
+   DeepSpeed engine is made from it (`load_weights`), then the fp32 masters and Adam moments into the
+   new engine (`load_engine_state`), each tensor dropped once written, with Adam's step, the learning
+   rates, the LR schedule and the engine's step count.
 4. What is not per-parameter crosses in memory as before: the RNG streams (same rank, same streams) and
    the state of step hooks whose state does not depend on the split (`split_free`: the data-parallel
    shares, the TP balancer's speed samples and per-rank work fractions).
@@ -31,7 +33,7 @@ bytes moved (`resplit_bytes`); the pipeline balancer weighs the next re-split ag
 from __future__ import annotations
 
 import dataclasses
-import gc
+import functools
 import time
 from collections.abc import Callable
 
@@ -39,9 +41,9 @@ import torch
 import torch.distributed as dist
 
 from megahet.checkpointing import checkpoint
-from megahet.checkpointing.state_slices import engine_state, keep, load_engine_state
+from megahet.checkpointing.state_slices import engine_state, keep, load_engine_state, load_weights
 from megahet.compat import deepspeed_zero as zero
-from megahet.platform import cuda_available, device
+from megahet.platform import device, release_freed_memory
 from megahet.policy.reshard_plan import (
     KEYS,
     WEIGHT,
@@ -79,9 +81,7 @@ def _free(trainer) -> None:
     trainer.engine.destroy()
     trainer.engine = trainer.scheduled = trainer.task = None
     trainer.step_hooks = []
-    gc.collect()
-    if cuda_available():
-        torch.cuda.empty_cache()
+    release_freed_memory()
 
 
 def live_params(model: torch.nn.Module, layout, split, gated: bool, tied: bool) -> list[Param]:
@@ -124,7 +124,7 @@ def resplit(trainer, rebuild: Callable[[RunPlan, Callable, int], object]):
     state = exchange(moves, layout.rank, before, after, held, dtypes, weight.device, keep_local=False)
     t_moved = time.perf_counter()
     keep(held, before, after, state)  # the rest of the stage's state: a local copy, as large as the stage
-    del held
+    del held, engine, model, inner, weight  # the old engine's last references here: _free releases it
     rng = checkpoint.rng_states()
     carried = {type(h).__name__: h.state_dict() for h in trainer.step_hooks if h.split_free}
     resplits = 1 + max((getattr(h, "resplits", 0) for h in trainer.step_hooks), default=0)
@@ -134,7 +134,8 @@ def resplit(trainer, rebuild: Callable[[RunPlan, Callable, int], object]):
 
     def restore(new_trainer) -> tuple[checkpoint.Progress, str]:
         e = new_trainer.engine
-        load_engine_state(e, after, state, *adam)
+        load_engine_state(e, after, state, *adam, weights_loaded=True)
+        release_freed_memory()
         if schedule is not None and e.lr_scheduler is not None:
             e.lr_scheduler.load_state_dict(schedule)
         e.global_steps = global_steps
@@ -143,7 +144,8 @@ def resplit(trainer, rebuild: Callable[[RunPlan, Callable, int], object]):
             f"(step {progress.iteration}); RNG streams and the balancers' state carry over"
         )
 
-    new_trainer = rebuild(new_plan, restore, resplits)
+    weights = functools.partial(load_weights, holdings=after, flat=state)
+    new_trainer = rebuild(new_plan, checkpoint.Restore(weights, restore), resplits)
     checkpoint.set_rng_states(rng)
     for hook in new_trainer.step_hooks:
         if hook.split_free and type(hook).__name__ in carried:

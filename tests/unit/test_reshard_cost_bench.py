@@ -81,3 +81,20 @@ def test_rows_without_rank0_path_are_the_plan_rows_only():
         ("elastic 4 -> 2 ranks", "plan (own slices)"),
     ]
     assert all(r["layers"] == 16 for r in rows) and rows[0]["time_s"] == 0.7
+
+
+def test_repeated_resplits_give_medians_of_interleaved_pairs_and_the_worst_peak():
+    """--repeats: each re-split's transfer against the plain send measured right before it; the row gives
+    the median ratio, its spread, and the worst peak of any repeat."""
+    result = _result(1.0)
+    for r in result["resplit"]["ranks"]:
+        first = r["new"]
+        r["new"] = {**first, "repeats": [
+            {**first, "transfer_s": 0.2, "raw_send_s": 0.1},
+            {**first, "transfer_s": 0.9, "raw_send_s": 0.1, "peak_rss": 1000 * MIB},
+            {**first, "transfer_s": 0.3, "raw_send_s": 0.2},
+        ]}  # fmt: skip
+    new = _rows("10M", result)[1]
+    assert new["repeats"] == 3 and new["transfer_over_send"] == 2.0  # median of 2.0, 9.0, 1.5
+    assert "x2.0, x1.5-9.0 over 3" in new["parts"]
+    assert new["peak_over_shard"] == 1.0  # the second repeat's 100 MiB over 100 MiB

@@ -90,7 +90,7 @@ def build_trainer(
     task = spec.build(cfg, layout)
     if restore is not None:  # the moved or read weights into the model, their copy freed before the engine
         restore.weights(task.model)
-        release_freed_memory()
+        release_freed_memory(collect=False)
     engine = build_engine(cfg, task.model, layout.dp_size, dict(plan.user_ds))
     build_s = torch.tensor([time.perf_counter() - t_build], dtype=torch.float64, device=device())
     dist.all_reduce(build_s, op=dist.ReduceOp.MAX)  # one value on every rank: decisions that use it agree

@@ -135,7 +135,7 @@ def resplit(trainer, rebuild: Callable[[RunPlan, Callable, int], object]):
     def restore(new_trainer) -> tuple[checkpoint.Progress, str]:
         e = new_trainer.engine
         load_engine_state(e, after, state, *adam, weights_loaded=True)
-        release_freed_memory()
+        release_freed_memory(collect=False)
         if schedule is not None and e.lr_scheduler is not None:
             e.lr_scheduler.load_state_dict(schedule)
         e.global_steps = global_steps

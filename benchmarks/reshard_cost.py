@@ -1,6 +1,7 @@
 """What a layout change costs: today's rank-0 path against the reshard plan's, by model size (issue 32).
 
-    python benchmarks/reshard_cost.py [--sizes 10M,100M] [--layers 8,16] [--old-sizes 10M,100M] [--name reshard_cost]
+    python benchmarks/reshard_cost.py [--sizes 10M,100M] [--layers 8,16] [--old-sizes 10M,100M] [--repeats 3]
+                                      [--name reshard_cost]
 
 Rank 0's path runs only at the `--old-sizes` (it gathers the whole model on one host). `--sizes 400M`
 needs a host with more memory than the 24 GiB of a 2-core CI machine: four ranks' engines plus, during

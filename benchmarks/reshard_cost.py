@@ -216,12 +216,11 @@ def worker_resplit(shape: Shape, out: Path, old_path: bool = True, repeats: int 
     def rebuild(p, restore, n):
         return build_trainer(p, spec, layout, None, logger, n, (), restore)
 
-    m, itemsize, runs = cfg.model, None, []
+    m, itemsize, runs = cfg.model, dict.fromkeys(KEYS, 4), []
     for _ in range(repeats):
         params = live_params(trainer.engine.module, trainer.layout, split, m.activation == "swiglu", True)
         lay = Layout(trainer.layout.tp_size, 2, trainer.layout.dp_size, split)
         plan = reshard_plan(params, lay, dataclasses.replace(lay, split=other))
-        itemsize = dict.fromkeys(KEYS, 4)
         raw_s = _raw_send_s(plan, trainer.layout.rank, itemsize)
         copy_s = _copy_s(_shard_bytes(trainer))
         trainer.pending_split = other
@@ -346,10 +345,10 @@ def _rows(size: str, result: dict, layers: int = 8) -> list[dict]:
             "bytes_MiB": 2 * ranks[0]["old"]["disk_bytes"] / mib, "minimum_MiB": minimum / mib,
         })  # fmt: skip
     # the plan's re-splits, each part the slowest rank's; over repeats, medians (the peak: the worst)
-    repeats = range(len(ranks[0]["new"].get("repeats", [ranks[0]["new"]])))
+    runs = [r["new"].get("repeats", [r["new"]]) for r in ranks]  # [rank][repeat]
 
     def each(key: str) -> list[float]:
-        return [max(r["new"].get("repeats", [r["new"]])[i][key] for r in ranks) for i in repeats]
+        return [max(run[key] for run in repeat) for repeat in zip(*runs)]
 
     def median(key: str) -> float:
         return statistics.median(each(key))
@@ -361,9 +360,7 @@ def _rows(size: str, result: dict, layers: int = 8) -> list[dict]:
     )
     build, copy = median("build_s"), median("shard_copy_s")
     parts += f") + build {build:.2f} ({build / copy:.1f} copies of the own shard)"
-    peak_new = max(
-        run["peak_rss"] - run["rss_before"] for r in ranks for run in r["new"].get("repeats", [r["new"]])
-    )
+    peak_new = max(run["peak_rss"] - run["rss_before"] for rank in runs for run in rank)
     rows.append({
         **base, "change": "re-split 1 layer", "path": "plan (rank to rank)", "time_s": median("total_s"),
         "parts": parts, "peak_extra_MiB": peak_new / mib, "shard_MiB": shard / mib,

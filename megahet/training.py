@@ -110,6 +110,7 @@ def build_trainer(
         restored = f"resumed from {resume.path} (step {progress.iteration}) in {seconds:.2f} s"
     elif restore is not None:
         progress, restored = restore.state(trainer)
+        release_freed_memory(collect=False)  # the moved or read state, dropped as it was written
     if progress is not None:
         trainer.resume_at(progress)
         position = getattr(task.train_data, "seek", None)

@@ -96,7 +96,7 @@ def live_params(model: torch.nn.Module, layout, split, gated: bool, tied: bool) 
     return unsharded_params(stages, layout.tp_size, split, gated, tied)
 
 
-def resplit(trainer, rebuild: Callable[[RunPlan, Callable, int], object]):
+def resplit(trainer, rebuild: Callable[[RunPlan, checkpoint.Restore, int], object]):
     """Re-split `trainer`'s stages to `trainer.pending_split` (all ranks call it after the same step);
     returns the Trainer for the new split (`rebuild`: from the new plan), at the same step, to train on."""
     plan, layout, logger, engine = trainer.plan, trainer.layout, trainer.logger, trainer.engine
@@ -135,7 +135,6 @@ def resplit(trainer, rebuild: Callable[[RunPlan, Callable, int], object]):
     def restore(new_trainer) -> tuple[checkpoint.Progress, str]:
         e = new_trainer.engine
         load_engine_state(e, after, state, *adam, weights_loaded=True)
-        release_freed_memory(collect=False)
         if schedule is not None and e.lr_scheduler is not None:
             e.lr_scheduler.load_state_dict(schedule)
         e.global_steps = global_steps

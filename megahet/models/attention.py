@@ -213,9 +213,3 @@ def _varlen_attn() -> VarlenKernel | None:
     if "is_causal" in params:
         return VarlenKernel(varlen_attn, {"is_causal": True}, takes_gqa)
     return None
-    params = inspect.signature(varlen_attn).parameters
-    if "window_size" in params:
-        return varlen_attn, {"window_size": (-1, 0)}
-    if "is_causal" in params:
-        return varlen_attn, {"is_causal": True}
-    return None

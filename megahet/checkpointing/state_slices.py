@@ -162,9 +162,6 @@ def load_engine_state(
             if key not in keys:
                 continue
             param, values = params[h.local_name], flat.pop((name, key))
-            if key == WEIGHT:
-                param.view(-1).copy_(values)
-                continue
             fragment = zero.hp_fragment(param)
             if fragment is None or h.hi == h.lo:
                 continue
@@ -172,7 +169,9 @@ def load_engine_state(
                 raise ValueError(f"{h.local_name}: the new engine's ZeRO fragment is not the plan's")
             _fragment_view(fragment, key, engine.optimizer).copy_(values)
 
+    if not weights_loaded:
+        load_weights(engine.module, holdings, flat)
     with torch.no_grad():
-        write({"fp32"} if weights_loaded else {WEIGHT, "fp32"})
+        write({"fp32"})
         prepare_adam(engine, step, lrs)
         write({"exp_avg", "exp_avg_sq"})

@@ -49,7 +49,9 @@ class ParallelLayout:
     weights_loaded: bool = False
     """Every weight of this rank's stage is overwritten right after the build by a loaded or moved state
     (a resume, a re-split, an elastic restart): the model builders then skip initializing them
-    (megahet/models/common.py `skip_init`), the CPU work of a stage's build that grows with it."""
+    (megatron-core's `perform_initialization=False`; megahet/models/common.py `mark_tensor_parallel_weights`
+    marks the TP weights' partitions as the skipped path would), the CPU work of a stage's build that grows
+    with it."""
 
     @property
     def is_first_stage(self) -> bool:

@@ -15,8 +15,11 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megahet.config import MegahetConfig
@@ -46,20 +49,34 @@ def has_fused_softmax_kernel() -> bool:
         return False
 
 
-_INIT_METHODS = ("init_method", "output_layer_init_method", "embedding_init_method")
-
-
-def skip_init(weight: torch.Tensor) -> None:
-    """An init method that leaves the weight as allocated, for a stage whose state is loaded right after its
-    build. megatron-core's own initialization path still runs around it: that path also marks each TP
-    weight's partition (`tensor_model_parallel`, `partition_dim`), which megatron-core 0.16 skips under
-    `perform_initialization=False`; DeepSpeed's gradient norm would then count those weights once per TP
-    group instead of once per rank."""
-
-
 def initializes(config: TransformerConfig) -> bool:
     """Whether a model built from `config` initializes its weights (false: it is built to be loaded)."""
-    return config.init_method is not skip_init
+    return config.perform_initialization
+
+
+def mark_tensor_parallel_weights(model: torch.nn.Module) -> None:
+    """Mark each TP weight of a stage built to be loaded (`perform_initialization=False`) with its partition
+    (`tensor_model_parallel`, `partition_dim`, `partition_stride`), as megatron-core's initialization path
+    does and skips with the initialization: column-parallel and vocab-parallel weights split along dim 0,
+    row-parallel ones along dim 1, a gated MLP's fc1 with stride 2 (each rank holds its gate and up rows).
+    DeepSpeed's gradient norm counts a weight once per rank only if it is marked (else once per TP group).
+
+    Skipping that path, not running it with no-op init methods, matters for the re-split's rebuild: on the
+    CPU it makes each weight's full master, concatenates this rank's part and copies it in, a pass over the
+    stage that grows with its layers."""
+    gated_fc1 = {
+        id(m.linear_fc1) for m in model.modules() if isinstance(m, MLP) and m.config.gated_linear_unit
+    }
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dim = 0
+        elif isinstance(module, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is not None and not hasattr(weight, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(weight, True, dim, 2 if id(module) in gated_fc1 else 1)
 
 
 def transformer_config(
@@ -74,8 +91,9 @@ def transformer_config(
     fusion the activation is applied as given, so the CPU path names the tanh GELU itself. A model
     without linear biases (model.add_bias_linear false) has no bias to fuse: it names the tanh GELU too.
 
-    `initialize` false: the weights are left as allocated (`skip_init` as every init method), for a stage
-    whose state is loaded right after the build (ParallelLayout.weights_loaded).
+    `initialize` false: megatron-core's initialization is skipped (`perform_initialization=False`) and the
+    weights are left as allocated, for a stage whose state is loaded right after the build
+    (ParallelLayout.weights_loaded; the builders then mark the TP weights: mark_tensor_parallel_weights).
     """
     m, p = cfg.model, cfg.parallel
     split = stage_split(cfg) if split is None else split
@@ -110,9 +128,7 @@ def transformer_config(
         # Initialize every weight from its full (unsharded) master on the CPU, so a model is the
         # same function of the seed whatever its TP size.
         use_cpu_initialization=True,
-        # A stage built to be loaded: megatron-core's initialization path runs with methods that leave the
-        # weights as allocated (it also marks the TP weights' partition, which perform_initialization=False skips).
-        **({} if initialize else {name: skip_init for name in _INIT_METHODS}),
+        perform_initialization=initialize,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=cfg.train.precision == "bf16",

@@ -15,7 +15,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megahet.config import MegahetConfig
-from megahet.models.common import default_layer_spec, transformer_config
+from megahet.models.common import default_layer_spec, mark_tensor_parallel_weights, transformer_config
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -34,7 +34,7 @@ def build_gpt(
     """The GPT stage of this rank (pre/post-process from its pipeline position); `initialize` false: its
     weights are left uninitialized, to be loaded (pass `not layout.weights_loaded`)."""
     m = cfg.model
-    return GPTModel(
+    model = GPTModel(
         config=transformer_config(cfg, split, initialize),
         transformer_layer_spec=layer_spec or default_layer_spec(cfg),
         vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, cfg.parallel.tp),
@@ -45,3 +45,6 @@ def build_gpt(
         position_embedding_type=m.position_embedding_type,
         rotary_base=m.rotary_base,
     )
+    if not initialize:
+        mark_tensor_parallel_weights(model)
+    return model

@@ -23,7 +23,12 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 
 from megahet.config import MegahetConfig, ModelConfig
-from megahet.models.common import default_layer_spec, initializes, transformer_config
+from megahet.models.common import (
+    default_layer_spec,
+    initializes,
+    mark_tensor_parallel_weights,
+    transformer_config,
+)
 
 
 class ViTClassifier(MegatronModule):
@@ -98,10 +103,13 @@ def build_vit(
 ) -> ViTClassifier:
     """The ViT stage of this rank (pre/post-process from its pipeline position); `initialize` false: its
     weights are left uninitialized, to be loaded (pass `not layout.weights_loaded`)."""
-    return ViTClassifier(
+    model = ViTClassifier(
         transformer_config(cfg, split, initialize),
         cfg.model,
         layer_spec or default_layer_spec(cfg, AttnMaskType.no_mask),
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
     )
+    if not initialize:
+        mark_tensor_parallel_weights(model)
+    return model

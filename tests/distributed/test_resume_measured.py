@@ -107,7 +107,7 @@ def test_kill_and_resume_is_exact(runs, job: str) -> None:
 
 
 def test_stages_whose_state_is_loaded_skip_initializing_their_weights(runs) -> None:
-    """A resumed run and a re-split build their stages without initializing the weights (`skip_init`; the
+    """A resumed run and a re-split build their stages without initializing the weights (`perform_initialization=False`; the
     state loaded next overwrites all of them); a fresh run that never
     re-split initializes them. Exactness with it is test_kill_and_resume_is_exact."""
     out, _ = runs

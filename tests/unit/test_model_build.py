@@ -1,5 +1,6 @@
-"""A stage built to be loaded skips initializing its weights (`ParallelLayout.weights_loaded`: `skip_init` as
-megatron-core's init methods), in one process (TP=1, gloo):
+"""A stage built to be loaded skips initializing its weights (`ParallelLayout.weights_loaded`:
+megatron-core's `perform_initialization=False`, then `mark_tensor_parallel_weights`), in one process (TP=1,
+gloo):
 
 - GPT, ViT and the Llama-shaped GPT built with `initialize=False` draw no random number (the CPU and the
   model-parallel RNG streams are where they were; the GPT's learned position table, a torch.nn.Embedding in
@@ -7,7 +8,7 @@ megatron-core's init methods), in one process (TP=1, gloo):
   thrown away;
 - it has the same parameters (names, shapes, dtypes) and the same tensor-parallel marks on them
   (`tensor_model_parallel`, `partition_dim`, `partition_stride`: DeepSpeed's gradient norm counts a TP
-  weight by them; megatron-core's `perform_initialization=False` leaves them unset) as the initialized
+  weight by them; megatron-core's `perform_initialization=False` leaves them unset, megahet sets them) as the initialized
   stage, and once that stage's state is loaded into it, it computes the same logits and gradients bit
   for bit;
 That a resume and a re-split build this way through the pretrain scripts, and still train exactly, is checked end to end in
@@ -113,4 +114,6 @@ def test_the_config_carries_the_choice_to_megatron_core(world1) -> None:
     cfg = _cfg("gpt")
     assert initializes(transformer_config(cfg)) and transformer_config(cfg).perform_initialization
     skipping = transformer_config(cfg, initialize=False)
-    assert not initializes(skipping) and skipping.perform_initialization  # megatron-core's path still runs
+    assert (
+        not initializes(skipping) and not skipping.perform_initialization
+    )  # megatron-core's path is skipped

@@ -1,12 +1,15 @@
 """What a layout change costs: today's rank-0 path against the reshard plan's, by model size (issue 32).
 
     python benchmarks/reshard_cost.py [--sizes 10M,100M] [--layers 8,16] [--old-sizes 10M,100M] [--repeats 3]
-                                      [--name reshard_cost]
+                                      [--resplit-ranks 4] [--name reshard_cost]
+    python benchmarks/reshard_cost.py --sizes 10M,100M,400M --old-sizes none --resplit-ranks 2   # 400M on 24 GiB
 
 Rank 0's path runs only at the `--old-sizes` (it gathers the whole model on one host). `--sizes 400M`
-needs a host with more memory than the 24 GiB of a 2-core CI machine: four ranks' engines plus, during
-the plan's re-split, the old engine beside the new state (2.5 GB a rank at peak measured at 100M in
-fp32; 400M has 3.7x the parameters).
+at 4 ranks needs a host with more memory than the 24 GiB of a 2-core CI machine: four ranks' engines
+plus, during the plan's re-split, the old engine beside the new state (2.5 GB a rank at peak measured at
+100M in fp32; 400M has 3.7x the parameters). `--resplit-ranks 2` runs the re-split at PP=2 x DP=1 (each
+rank holds its whole stage's optimizer state; no elastic case, which needs the 4-rank checkpoint): two
+ranks fit 400M.
 
 Two changes, each done both ways in the same processes (so both see the same machine):
 - **re-split one layer** at PP=2 x DP=2 (4 ranks), 8 layers, after one training step (Adam's state
@@ -166,7 +169,7 @@ def _copy_s(nbytes: int) -> float:
 
 
 def worker_resplit(shape: Shape, out: Path, old_path: bool = True, repeats: int = 1) -> None:
-    """4 ranks: one step, save the step-1 checkpoint (for the elastic case), then re-split one layer the
+    """4 ranks (PP=2 x DP=2; or 2: PP=2 x DP=1): one step, save the step-1 checkpoint (for the elastic case), then re-split one layer the
     old way (4,4 -> 5,3 at 8 layers) and the plan's way `repeats` times, back and forth (5,3 -> 4,4 -> ...);
     without `old_path`, the plan's way only (4,4 -> 5,3 -> ...)."""
     import torch.distributed as dist
@@ -300,7 +303,7 @@ def worker_elastic(shape: Shape, out: Path, old_path: bool = True) -> None:
     dist.barrier()
 
 
-def _run(shape: Shape, out: Path, old_path: bool = True, repeats: int = 1) -> dict:
+def _run(shape: Shape, out: Path, old_path: bool = True, repeats: int = 1, ranks: int = 4) -> dict:
     from benchmarks.common import torchrun
 
     out.mkdir(parents=True, exist_ok=True)
@@ -309,11 +312,17 @@ def _run(shape: Shape, out: Path, old_path: bool = True, repeats: int = 1) -> di
     common += ["--hidden", str(shape.hidden), "--heads", str(shape.heads), "--layers", str(shape.layers)]
     common += ["--old-path"] if old_path else []
     common += ["--repeats", str(repeats)]
-    t_resplit = torchrun(me, 4, [*common, "--case", "resplit"], out / "resplit.log")
-    t_elastic = torchrun(me, 2, [*common, "--case", "elastic"], out / "elastic.log")
+    t_resplit = torchrun(me, ranks, [*common, "--case", "resplit"], out / "resplit.log")
     resplit = json.loads((out / "resplit.json").read_text())
-    elastic = json.loads((out / "elastic.json").read_text())
-    print(f"{out.name}: launches {t_resplit:.0f} s and {t_elastic:.0f} s", flush=True)
+    resplit["world"] = ranks
+    elastic = None
+    if ranks == 4:  # the elastic case reads the 4-rank run's checkpoint at 2 ranks
+        t_elastic = torchrun(me, 2, [*common, "--case", "elastic"], out / "elastic.log")
+        elastic = json.loads((out / "elastic.json").read_text())
+    print(
+        f"{out.name}: launched in {t_resplit:.0f} s" + (f" and {t_elastic:.0f} s" if elastic else ""),
+        flush=True,
+    )
     return {"resplit": resplit, "elastic": elastic}
 
 
@@ -322,9 +331,9 @@ def _rows(size: str, result: dict, layers: int = 8) -> list[dict]:
     0's path only where it ran)."""
     mib = 2**20
     rs, el = result["resplit"], result["elastic"]
-    ranks, eranks = rs["ranks"], el["ranks"]
-    base = {"size": size, "layers": layers, "params_M": rs["params"] / 1e6}
-    shard, eshard = max(r["shard"] for r in ranks), max(r["shard"] for r in eranks)
+    ranks = rs["ranks"]
+    base = {"size": size, "layers": layers, "ranks": rs.get("world", 4), "params_M": rs["params"] / 1e6}
+    shard = max(r["shard"] for r in ranks)
     minimum = ranks[0]["new"]["bytes_minimum"]
 
     def worst(rs: list[dict], path: str, key: str) -> float:
@@ -366,7 +375,12 @@ def _rows(size: str, result: dict, layers: int = 8) -> list[dict]:
         "parts": parts, "peak_extra_MiB": peak_new / mib, "shard_MiB": shard / mib,
         "peak_over_shard": peak_new / shard, "bytes_MiB": ranks[0]["new"]["bytes_moved"] / mib,
         "minimum_MiB": minimum / mib, "transfer_over_send": statistics.median(ratios), "repeats": len(ratios),
+        "transfer_s": median("transfer_s"), "send_s": median("raw_send_s"), "build_s": build,
     })  # fmt: skip
+    if el is None:
+        return rows
+    eranks = el["ranks"]
+    eshard = max(r["shard"] for r in eranks)
     for path, key, label in (
         ("rank 0 (merge, write, load)", "old", "reshard"),
         ("plan (own slices)", "new", "read"),
@@ -402,6 +416,24 @@ def _extrapolated(ax, pts: list[tuple[float, float]], style: str, label: str, ta
     )
 
 
+def _plot_parts(ax, rows: list[dict], targets) -> None:
+    """The plan's re-split in parts against the model size: its transfer beside a plain send of the same
+    bytes, and its rebuild (the fixed part)."""
+    plan = [r for r in rows if r["change"] == "re-split 1 layer" and r["path"].startswith("plan")]
+    for key, style, label in (
+        ("transfer_s", "s-", "transfer"),
+        ("send_s", "^-", "plain send"),
+        ("build_s", "d-", "rebuild"),
+    ):
+        pts = [(r["params_M"] * 1e6, max(r[key], 1e-3)) for r in plan if key in r]
+        if len(pts) >= 2:
+            _extrapolated(ax, pts, style, label, targets)
+    ax.set_title("re-split 1 layer, parts (plan)")
+    ax.set_xlabel("parameters")
+    ax.set_ylabel("seconds")
+    ax.legend(fontsize=7)
+
+
 def _plot(rows: list[dict], path: Path) -> None:
     """Time per change and path, and the peak memory beyond the process's own, against the model size,
     extrapolated to 7 B and 70 B parameters."""
@@ -413,23 +445,31 @@ def _plot(rows: list[dict], path: Path) -> None:
 
     targets = np.array([7e9, 70e9])
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
+    elastic = any(r["change"].startswith("elastic") for r in rows)
     panels = [
         ("re-split 1 layer", "time_s", "wall time (s)"),
-        ("elastic 4 -> 2 ranks", "time_s", "wall time (s)"),
+        ("elastic 4 -> 2 ranks", "time_s", "wall time (s)") if elastic else ("parts", None, "seconds"),
         (None, "peak_extra_MiB", "peak memory beyond the process's, worst rank (MiB)"),
     ]
     for ax, (change, key, ylabel) in zip(axes, panels):
+        if change == "parts":  # without the elastic case: the re-split's transfer, plain send and rebuild
+            _plot_parts(ax, rows, targets)
+            continue
         layer_counts = sorted({r.get("layers", 8) for r in rows})
+        worlds = sorted({r.get("ranks", 4) for r in rows})
         for r_change in [change] if change else ["re-split 1 layer", "elastic 4 -> 2 ranks"]:
-            for (way, style), layers in itertools.product((("rank 0", "o-"), ("plan", "s-")), layer_counts):
+            ways = (("rank 0", "o-"), ("plan", "s-"))
+            for (way, style), layers, world in itertools.product(ways, layer_counts, worlds):
                 pts = [
                     (r["params_M"] * 1e6, max(r[key], 1e-3))
                     for r in rows
-                    if r["change"] == r_change and r["path"].startswith(way) and r.get("layers", 8) == layers
-                ]
+                    if r["change"] == r_change and r["path"].startswith(way)
+                    and (r.get("layers", 8), r.get("ranks", 4)) == (layers, world)
+                ]  # fmt: skip
                 if len(pts) >= 2:
                     label = way if change else f"{r_change}, {way}"
                     label += f", {layers} layers" if len(layer_counts) > 1 else ""
+                    label += f", {world} ranks" if len(worlds) > 1 else ""
                     _extrapolated(ax, pts, style, label, targets)
         ax.set_title(change or "memory")
         ax.set_xlabel("parameters")
@@ -450,6 +490,8 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3,
                         help="the plan's re-splits per size, back and forth, each beside its plain send")  # fmt: skip
+    parser.add_argument("--resplit-ranks", type=int, choices=(4, 2), default=4,
+                        help="4: PP 2 x DP 2, and the elastic 4 -> 2 case; 2: PP 2 x DP 1, the re-split only (400M fits)")  # fmt: skip
     parser.add_argument("--old-path", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--name", default="reshard_cost")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -479,18 +521,27 @@ def main() -> None:
     rows, raw = [], {}
     for size in sizes:
         for layers in layer_counts:
-            key = size if layer_counts == [8] else f"{size}_{layers}L"
+            key = (size if layer_counts == [8] else f"{size}_{layers}L") + (
+                "" if args.resplit_ranks == 4 else "_2r"
+            )
             shutil.rmtree(work / key, ignore_errors=True)
             try:
                 old_path = size in args.old_sizes.split(",")
-                raw[key] = _run(Shape(*SIZES[size], layers), work / key, old_path, args.repeats)
+                raw[key] = _run(
+                    Shape(*SIZES[size], layers), work / key, old_path, args.repeats, args.resplit_ranks
+                )
             finally:  # the checkpoints: large (20 GB at 400M), and re-made by a rerun
                 for folder in ("ck", "old_resplit", "old_elastic"):
                     shutil.rmtree(work / key / folder, ignore_errors=True)
             rows += _rows(size, raw[key], layers)
-    columns = ["size", "layers", "params_M", "change", "path", "time_s", "parts", "peak_extra_MiB", "shard_MiB",
+    columns = ["size", "layers", "ranks", "params_M", "change", "path", "time_s", "parts", "peak_extra_MiB", "shard_MiB",
                "peak_over_shard", "bytes_MiB", "minimum_MiB"]  # fmt: skip
-    meta = {"sizes": sizes, "layers": layer_counts, "old_sizes": args.old_sizes}
+    meta = {
+        "sizes": sizes,
+        "layers": layer_counts,
+        "old_sizes": args.old_sizes,
+        "resplit_ranks": args.resplit_ranks,
+    }
     meta["raw"] = raw
     save_results(args.name, rows, columns, meta)
     _plot(rows, RESULTS / f"{args.name}.png")

@@ -98,3 +98,19 @@ def test_repeated_resplits_give_medians_of_interleaved_pairs_and_the_worst_peak(
     assert new["repeats"] == 3 and new["transfer_over_send"] == 2.0  # median of 2.0, 9.0, 1.5
     assert "x2.0, x1.5-9.0 over 3" in new["parts"]
     assert new["peak_over_shard"] == 1.0  # the second repeat's 100 MiB over 100 MiB
+
+
+def test_two_rank_resplits_give_re_split_rows_and_a_parts_plot(tmp_path: Path):
+    """--resplit-ranks 2 (what fits 400M): no elastic case; the rows say the world, carry the plan's parts,
+    and the plot draws the transfer, the plain send and the rebuild against the model size in its place."""
+    results = []
+    for scale in (1.0, 10.0, 40.0):
+        result = _result(scale)
+        result["resplit"]["world"], result["elastic"] = 2, None
+        results.append(_rows(f"{int(scale * 10)}M", result))
+    assert all(len(rows) == 2 and {r["change"] for r in rows} == {"re-split 1 layer"} for rows in results)
+    plan = results[-1][1]
+    assert plan["ranks"] == 2 and plan["path"].startswith("plan")
+    assert plan["transfer_s"] > 0 and plan["send_s"] > 0 and plan["build_s"] > 0
+    _plot([r for rows in results for r in rows], tmp_path / "cost.png")
+    assert (tmp_path / "cost.png").stat().st_size > 10_000

@@ -31,6 +31,9 @@ from megahet.compat.deepspeed_checkpoint import (
 )
 from megahet.config import ConfigError
 
+MOMENTS = ("exp_avg", "exp_avg_sq")
+"""Adam's per-element state, beside its step."""
+
 TENSOR_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 """Per-parameter tensors: the fp32 master weight and Adam's two moments."""
 
@@ -124,34 +127,38 @@ def load_into_engine(engine, state: dict) -> None:
     for name in trained:
         param = params[name]
         safe_set_full_fp32_param(param, state["fp32"][name].to(param.device))
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in MOMENTS:
             safe_set_full_optimizer_state(param, state[key][name].to(param.device), key)
 
 
-def prepare_adam(engine, step: int, lrs: list[float] | None) -> None:
+def prepare_adam(engine, step: int, lrs: list[float] | None, written: bool = False) -> None:
     """Give the engine's ZeRO optimizer Adam's state at `step` (zero moments), the learning rates `lrs`
     per group (the schedule's value at the save, until its next step) and each parameter's link to its
-    fragment of that state, so that the per-parameter state can be written into it."""
+    fragment of that state, so that the per-parameter state can be written into it.
+
+    `written`: every parameter's fragment of both moments is written right after (a moved or read state).
+    The moments are then allocated without being filled, so their memory becomes resident only as each
+    fragment is written and its source dropped (zeros would make both moments resident while the whole
+    state to be written into them is still held); only the elements that no fragment covers (ZeRO's
+    alignment padding) are zeroed."""
     optimizer = engine.optimizer
-    _init_adam_state(optimizer.optimizer, step)
+    _init_adam_state(optimizer.optimizer, step, torch.empty_like if written else torch.zeros_like)
     if lrs is not None:
         for group, lr in zip(optimizer.optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
     zero.link_optimizer_state(optimizer)
+    if written:
+        zero.zero_outside_fragments(optimizer, engine.module.parameters(), MOMENTS)
 
 
-def _init_adam_state(adam: torch.optim.Optimizer, step: int) -> None:
-    """Give every flat fp32 partition Adam's state (zero moments at `step`), as torch's own
+def _init_adam_state(adam: torch.optim.Optimizer, step: int, new=torch.zeros_like) -> None:
+    """Give every flat fp32 partition Adam's state (moments made by `new`, at `step`), as torch's own
     load_state_dict lays it out: torch creates it lazily at the first step, and DeepSpeed links each
     parameter's fragment of it only once it exists."""
     saved = adam.state_dict()
     flats = [p for group in adam.param_groups for p in group["params"]]
     saved["state"] = {
-        i: {
-            "step": torch.tensor(float(step)),
-            "exp_avg": torch.zeros_like(p),
-            "exp_avg_sq": torch.zeros_like(p),
-        }
+        i: {"step": torch.tensor(float(step)), **{key: new(p) for key in MOMENTS}}
         for i, p in enumerate(flats)
     }
     adam.load_state_dict(saved)

@@ -173,5 +173,5 @@ def load_engine_state(
         load_weights(engine.module, holdings, flat)
     with torch.no_grad():
         write({"fp32"})
-        prepare_adam(engine, step, lrs)
+        prepare_adam(engine, step, lrs, written=True)
         write({"exp_avg", "exp_avg_sq"})

@@ -12,7 +12,8 @@ parameter group. megahet reaches into that in three places, all through this mod
   (`mark_pipe_replicated`).
 
 Private API used (each checked by tests/unit/test_compat.py):
-- `param._hp_mapping` (a `tensor_fragment`): `lp_fragment_address` (numel, start), `hp_fragment`,
+- `param._hp_mapping` (a `tensor_fragment`): `lp_fragment_address` and `hp_fragment_address` (numel,
+  start), `hp_fragment`,
   `optim_fragment`, `param_group_index`, `set_optim_state_fragment(flat, state)`;
 - the ZeRO optimizer's `single_partition_of_fp32_groups`, `optimizer` (the wrapped Adam) and
   `_lazy_init_hp_params_optimizer_state()`;
@@ -24,6 +25,7 @@ Private API used (each checked by tests/unit/test_compat.py):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -85,6 +87,26 @@ def fragment_optimizer_state(fragment, optimizer) -> dict[str, torch.Tensor]:
             if inner.state.get(flat):
                 fragment.set_optim_state_fragment(flat, inner.state[flat])
     return fragment.optim_fragment or {}
+
+
+def zero_outside_fragments(zero_optimizer, params, keys: Sequence[str]) -> None:
+    """Zero the elements of each flat fp32 partition's optimizer state `keys` that no parameter's fragment
+    covers (ZeRO's alignment padding), where the state was allocated without being filled."""
+    flats = getattr(zero_optimizer, FP32_PARTITIONS)
+    spans: list[list[tuple[int, int]]] = [[] for _ in flats]
+    for param in params:
+        fragment = hp_fragment(param)
+        if fragment is not None:
+            addr = fragment.hp_fragment_address
+            spans[fragment.param_group_index].append((addr.start, addr.start + addr.numel))
+    for flat, covered in zip(flats, spans, strict=True):
+        state = zero_optimizer.optimizer.state[flat]
+        at = 0
+        for start, stop in [*sorted(covered), (flat.numel(), flat.numel())]:
+            if start > at:
+                for key in keys:
+                    state[key][at:start].zero_()
+            at = max(at, stop)
 
 
 def link_optimizer_state(zero_optimizer) -> None:

@@ -113,7 +113,13 @@ def test_zero_parameters_link_to_their_fp32_fragment(zero_engine) -> None:
     weight = zero_engine.module[0].weight
     fragment = zero.hp_fragment(weight)
     assert fragment is not None, "ZeRO-1 parameters have no `_hp_mapping` any more"
-    for name in ("lp_fragment_address", "hp_fragment", "optim_fragment", "param_group_index"):
+    for name in (
+        "lp_fragment_address",
+        "hp_fragment_address",
+        "hp_fragment",
+        "optim_fragment",
+        "param_group_index",
+    ):
         _has(fragment, name, "ZeRO fragment")
     _has(fragment, "set_optim_state_fragment", "ZeRO fragment")
     local = zero.fragment_local_offsets(fragment, np.array([0, 3, 63]))

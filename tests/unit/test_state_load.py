@@ -80,6 +80,71 @@ def test_a_state_loaded_in_two_parts_equals_the_original_and_is_consumed(
     assert zero.adam_step(fresh.optimizer) == step
 
 
+def test_the_moments_a_state_is_written_into_are_made_unfilled_and_their_padding_zeroed(world1, monkeypatch):
+    """load_engine_state makes Adam's moments without filling them (`prepare_adam(written=True)`: their
+    memory becomes resident only as each fragment is written, so a read elastic state and the zeros it
+    replaces are not held at once; 1.5x -> 1.25x the own shard at DP 1) and zeroes what no fragment covers
+    (ZeRO's alignment padding). Here unfilled memory is NaN: every moment element ends up written or zero."""
+    cfg, engine = _trained({}, 1)
+    m = cfg.model
+    params = live_params(engine.module, world1, (m.num_layers,), False, True)
+    layout = Layout(1, 1, 1, (m.num_layers,), tied=True)
+    holdings = rank_holdings(params, layout, 0, reshard_plan(params, layout, layout).blocks)
+    flat = {k: v.clone() for k, v in engine_state(engine, holdings).items()}
+    original = {k: v.clone() for k, v in flat.items()}
+    fresh = build_engine(cfg, build_gpt(cfg, VOCAB, local_layer_spec(), initialize=False), 1, {})
+    made = []
+
+    def unfilled(tensor):
+        made.append(tensor.numel())
+        return torch.full_like(tensor, float("nan"))
+
+    zeroed = []
+
+    def zero_padding(optimizer, params, keys):  # this GPT has no padding at DP 1: see the next test
+        zeroed.append(tuple(keys))
+        real_zero_outside_fragments(optimizer, params, keys)
+
+    real_zero_outside_fragments = zero.zero_outside_fragments
+    monkeypatch.setattr(torch, "empty_like", unfilled)
+    monkeypatch.setattr(zero, "zero_outside_fragments", zero_padding)
+    load_engine_state(fresh, holdings, flat, 2, None)
+    monkeypatch.undo()
+    assert zeroed == [("exp_avg", "exp_avg_sq")], "the moments' padding was not zeroed"
+    inner = fresh.optimizer.optimizer
+    flats = getattr(fresh.optimizer, zero.FP32_PARTITIONS)
+    assert len(made) == 2 * len(flats), "the moments were made filled"
+    covered = sum(zero.hp_fragment(p).hp_fragment_address.numel for p in fresh.module.parameters())
+    padding = sum(f.numel() for f in flats) - covered
+    for key in ("exp_avg", "exp_avg_sq"):
+        values = torch.cat([inner.state[f][key] for f in flats])
+        assert not values.isnan().any(), f"{key}: elements neither written nor zeroed"
+        assert padding <= int((values == 0).sum()), key
+    loaded = engine_state(fresh, holdings)
+    assert all(torch.equal(loaded[k], v) for k, v in original.items())
+
+
+def test_zero_outside_fragments_zeroes_only_the_padding(world1) -> None:
+    """A model whose no-weight-decay group (two biases, 9 elements) is padded by ZeRO's alignment."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    cfg = apply_overrides(MegahetConfig(), {"train.global_batch_size": 4, "train.micro_batch_size": 4})
+    engine = build_engine(cfg, model, 1, {})
+    engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
+    engine.step()
+    flats = getattr(engine.optimizer, zero.FP32_PARTITIONS)
+    state = engine.optimizer.optimizer.state
+    for f in flats:
+        state[f]["exp_avg"].fill_(float("nan"))
+    fragments = [zero.hp_fragment(p) for p in model.parameters()]
+    for fragment in fragments:
+        zero.fragment_optimizer_state(fragment, engine.optimizer)["exp_avg"].fill_(1.0)
+    zero.zero_outside_fragments(engine.optimizer, model.parameters(), ["exp_avg"])
+    values = torch.cat([state[f]["exp_avg"] for f in flats])
+    assert int((values == 1).sum()) == sum(p.numel() for p in model.parameters())  # fragments untouched
+    assert int((values == 0).sum()) == values.numel() - 81 > 0, values  # the padding, zeroed
+
+
 @pytest.mark.skipif(_malloc_trim() is None, reason="malloc_trim is glibc's")
 def test_released_heap_memory_leaves_the_resident_set() -> None:
     """torch's CPU tensors under glibc's mmap threshold live in the heap: once freed, their pages stay

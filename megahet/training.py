@@ -60,7 +60,7 @@ def setup(cfg: MegahetConfig, spec: TaskSpec, extra_hooks: Sequence[StepHook] = 
     if plan.reshard:  # every rank reads its own slices; else rank 0 reshards the whole checkpoint
         resumed = read_resharded(cfg, resume, layout, plan.split)
         if resumed is not None:
-            resume, restore = None, checkpoint.Restore(resumed.weights, resumed.restore)
+            resume, restore = None, checkpoint.Restore(None, resumed.restore)
         else:
             resume = reshard_checkpoint(cfg, resume, layout.rank, plan.split)
     if layout.rank == 0:
@@ -88,7 +88,7 @@ def build_trainer(
     layout = dataclasses.replace(layout, stage_layers=plan.split, weights_loaded=loaded)
     t_build = time.perf_counter()
     task = spec.build(cfg, layout)
-    if restore is not None:  # the moved or read weights into the model, their copy freed before the engine
+    if restore is not None and restore.weights is not None:  # the moved weights in, their copy freed
         restore.weights(task.model)
         release_freed_memory(collect=False)
     engine = build_engine(cfg, task.model, layout.dp_size, dict(plan.user_ds))

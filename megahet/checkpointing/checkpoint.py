@@ -74,11 +74,11 @@ class Progress:
 class Restore:
     """State moved or read for a stage about to be built (a re-split, a parallel elastic read), loaded in
     two parts so that no rank holds its weights twice: `weights(model)` writes them into the freshly built
-    model before DeepSpeed's engine is made from it (and drops its own copy); `state(trainer)` writes the
-    rest (fp32 masters, Adam moments, schedule, step) into the engine -> (the progress, what was
-    restored)."""
+    model before DeepSpeed's engine is made from it (and drops its own copy; None: `state` writes them
+    too); `state(trainer)` writes the rest (fp32 masters, Adam moments, schedule, step) into the engine
+    -> (the progress, what was restored)."""
 
-    weights: Callable[[torch.nn.Module], None]
+    weights: Callable[[torch.nn.Module], None] | None
     state: Callable[[Any], tuple[Progress, str]]
 
 

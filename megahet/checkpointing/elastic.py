@@ -13,9 +13,11 @@ or with another --parallel.tp / --parallel.pp resumes from its last checkpoint w
    checkpoint, in parallel, with no collective: the reshard plan (megahet/policy/reshard_plan.py)
    from the saved TP x PP x DP x ZeRO layout to the new one names, for each of its tensors (weights,
    fp32 masters, Adam moments: its new ZeRO fragments), the old rank that holds each run; it reads them
-   from that rank's files, memory-mapped and one old rank at a time, so its memory holds its own new
-   shard, not the model. The built engine is then loaded from it (with Adam's step, the learning
-   rates, the LR schedule). Nothing is written; the saved checkpoint stays as it is.
+   from that rank's files, memory-mapped and one old rank at a time, straight into its new engine
+   (built first, with its weights uninitialized: each run is copied from the file to the engine's own
+   parameter, fp32 fragment or Adam moment), so its memory holds its own new shard once, not the
+   model; then Adam's step, the learning rates and the LR schedule. Nothing is written; the saved
+   checkpoint stays as it is.
    Where the plan cannot apply, `reshard_checkpoint` does what megahet did before: rank 0 merges the
    whole checkpoint per parameter (megahet/checkpointing/optimizer_state.py), re-splits it and
    publishes it beside the old one. That is a checkpoint already per parameter (a reshard's output),
@@ -33,8 +35,7 @@ the uninterrupted run within fp32 reduction noise. RNG streams and step-hook sta
 speed samples and plan) belong to the old layout and start fresh.
 
     resumed = read_resharded(cfg, resume, layout, split)    # None: use reshard_checkpoint
-    resumed.weights(model)                                   # into the new stage, before its engine
-    progress, note = resumed.restore(trainer)                # the rest into the new Trainer's engine
+    progress, note = resumed.restore(trainer)                # read into the new Trainer's engine
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import torch.distributed as dist
 from megahet.checkpointing.checkpoint import Progress
 from megahet.checkpointing.convert import reshard_into
 from megahet.checkpointing.finder import Resume, describe_layout, find_resume_in, layout_of, per_parameter
+from megahet.checkpointing.optimizer_state import prepare_adam
 from megahet.checkpointing.safe_load import load_file
 from megahet.checkpointing.sharded_state import (
     checkpoint_params,
@@ -57,7 +59,7 @@ from megahet.checkpointing.sharded_state import (
     saved_layout,
     saved_scalars,
 )
-from megahet.checkpointing.state_slices import Flat, load_engine_state, load_weights
+from megahet.checkpointing.state_slices import Flat, check_holds_every_parameter, engine_state
 from megahet.compat.deepspeed_checkpoint import model_states_file
 from megahet.config import ConfigError, MegahetConfig
 from megahet.config_checks import validate
@@ -67,6 +69,8 @@ from megahet.policy.reshard_plan import (
     WEIGHT,
     WORD_EMBEDDING,
     Layout,
+    Param,
+    ReshardPlan,
     State,
     rank_holdings,
     reshard_plan,
@@ -178,30 +182,49 @@ def reshard_checkpoint(
 
 @dataclasses.dataclass
 class ResumedState:
-    """One rank's state at the new layout, read from the old ranks' files (`read_resharded`)."""
+    """One rank's state at the new layout, to be read from its own slices of the old ranks' files
+    (`read_resharded`): `restore` reads it straight into the new Trainer's engine, `read` into new tensors."""
 
-    holdings: State
-    state: Flat
+    folder: Path
+    params: Sequence[Param]
+    plan: ReshardPlan
+    rank: int
+    dtypes: dict[str, torch.dtype]
     scalars: dict
     progress: Progress
-    note: str
+    source: str
+    """What was saved, for the note: the old layout."""
 
-    def weights(self, model: torch.nn.Module) -> None:
-        """Write the weights into the freshly built model, before its engine is made (and drop them)."""
-        load_weights(model, self.holdings, self.state)
+    @property
+    def holdings(self) -> State:
+        return rank_holdings(self.params, self.plan.new, self.rank, self.plan.blocks)
+
+    def read(self, into: Flat | None = None) -> Flat:
+        """This rank's state: weights, fp32 masters and Adam moments per (tensor, key), flat."""
+        return read_planned_state(self.folder, self.params, self.plan, self.rank, self.dtypes, into)
 
     def restore(self, trainer) -> tuple[Progress, str]:
-        """Load the rest into the new Trainer's engine; (the saved progress, what was restored)."""
-        engine = trainer.engine
-        load_engine_state(
-            engine, self.holdings, self.state, self.scalars["step"], self.scalars["lr"], weights_loaded=True
-        )
+        """Read the state into the new Trainer's engine, built with its weights uninitialized: each run
+        goes from the memory-mapped file to the engine's own parameter, fp32 fragment or Adam moment
+        (made unfilled), so the rank never holds its state twice (no copy beside the engine, no zeros
+        beside the read); (the saved progress, what was restored)."""
+        t0 = time.perf_counter()
+        engine, holdings = trainer.engine, self.holdings
+        check_holds_every_parameter(engine.module, holdings)
+        prepare_adam(engine, self.scalars["step"], self.scalars["lr"], written=True)
+        with torch.no_grad():
+            state = self.read(into=engine_state(engine, holdings))
         if self.scalars["lr_scheduler"] is not None and engine.lr_scheduler is not None:
             engine.lr_scheduler.load_state_dict(self.scalars["lr_scheduler"])
         if self.scalars["global_steps"] is not None:
             engine.global_steps = self.scalars["global_steps"]
-        self.state = {}  # the engine holds it now
-        return self.progress, self.note
+        mine = sum(t.numel() * t.element_size() for t in state.values())
+        sources = len({t.src for t in self.plan.received_by(self.rank)})
+        return self.progress, (
+            f"read its own slices of {self.folder} ({mine / 2**20:.1f} MiB: weights, fp32 masters and Adam "
+            f"moments, from {sources} saved rank(s)) into the new engine in {time.perf_counter() - t0:.2f} s, "
+            f"resharded from {self.source}; RNG streams and step-hook state start fresh"
+        )
 
 
 def _weight_dtype(folder: Path) -> torch.dtype:
@@ -216,7 +239,6 @@ def read_resharded(cfg: MegahetConfig, resume: Resume, layout, split: Sequence[i
     meta, folder = resume.meta, resume.path
     if meta.get("weights_only") or per_parameter(resume) or "layout" not in meta or "model" not in meta:
         return None
-    t0 = time.perf_counter()
     params = checkpoint_params(folder, meta)
     old = saved_layout(meta)
     new = Layout(layout.tp_size, layout.pp_size, layout.dp_size, tuple(split), tied=old.tied)
@@ -231,14 +253,8 @@ def read_resharded(cfg: MegahetConfig, resume: Resume, layout, split: Sequence[i
         return None  # another precision: the weights come from the fp32 masters (rank 0's path)
     plan = reshard_plan(params, old, new, keep=False)
     dtypes = {key: weight if key == WEIGHT else torch.float32 for key in KEYS}
-    state = read_planned_state(folder, params, plan, layout.rank, dtypes)
-    mine = sum(t.numel() * t.element_size() for t in state.values())
-    seconds = time.perf_counter() - t0
-    note = (
-        f"read its own slices of {folder} ({mine / 2**20:.1f} MiB: weights, fp32 masters and Adam moments, from "
-        f"{len({t.src for t in plan.received_by(layout.rank)})} saved rank(s)) in {seconds:.2f} s, resharded from "
-        f"{describe_layout(meta['layout'])} x DP {old.dp}; RNG streams and step-hook state start fresh"
-    )
     progress = Progress(meta["iteration"], meta["consumed_samples"])
-    holdings = rank_holdings(params, new, layout.rank, plan.blocks)
-    return ResumedState(holdings, state, saved_scalars(folder, meta), progress, note)
+    source = f"{describe_layout(meta['layout'])} x DP {old.dp}"
+    return ResumedState(
+        folder, params, plan, layout.rank, dtypes, saved_scalars(folder, meta), progress, source
+    )

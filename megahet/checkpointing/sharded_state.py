@@ -160,13 +160,18 @@ def release_pages(view: torch.Tensor) -> None:
     _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), _MADV_DONTNEED)
 
 
-def read_planned_state(folder: Path, params: Sequence[Param], plan: ReshardPlan, rank: int, dtypes) -> Flat:
+def read_planned_state(
+    folder: Path, params: Sequence[Param], plan: ReshardPlan, rank: int, dtypes, into: Flat | None = None
+) -> Flat:
     """New `rank`'s state under `plan` (made with keep=False: it holds nothing yet), read from the old
     ranks' files in `folder`: memory-mapped, one old rank at a time, copying only its runs and dropping
     the file pages it read once copied, so that the rank's memory holds its own new state and little
-    more."""
+    more. `into`: the flat tensors to write it into (views of a built engine: `engine_state`; on its
+    device), else new ones."""
     after = rank_holdings(params, plan.new, rank, plan.blocks)
-    new = {k: empty_like_holding(h, dtypes[k[1]]) for k, h in after.items()}
+    new = into if into is not None else {k: empty_like_holding(h, dtypes[k[1]]) for k, h in after.items()}
+    if new.keys() != after.keys():
+        raise ValueError(f"the destination holds {len(new)} tensors, the plan gives this rank {len(after)}")
     by_source: dict[int, list] = {}
     for t in plan.received_by(rank):
         by_source.setdefault(t.src, []).append(t)

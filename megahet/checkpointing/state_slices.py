@@ -64,13 +64,29 @@ def empty_like_holding(
     return torch.empty(holding.hi - holding.lo, dtype=dtype, device=device)
 
 
-def keep(old: Flat, before: State, after: State, new: Flat) -> None:
-    """Copy into `new` what this rank held in `before` and still holds in `after` (nothing crosses ranks)."""
+def _one_range(ranges: np.ndarray) -> tuple[int, int] | None:
+    """[start, stop) if the (k, 2) ranges follow one another with no gap, else None."""
+    if not len(ranges) or (len(ranges) > 1 and (ranges[1:, 0] != ranges[:-1, 1]).any()):
+        return None
+    return int(ranges[0, 0]), int(ranges[-1, 1])
+
+
+def keep(old: Flat, before: State, after: State, new: Flat, share: bool = False) -> None:
+    """Copy into `new` what this rank held in `before` and still holds in `after` (nothing crosses ranks).
+
+    `share`: where the rank keeps the whole of a tensor's new holding, as one stretch of its old flat
+    tensor in the same order, `new` takes a view of the old tensor instead of a copy (no pass over the
+    memory; the old storage stays alive while the view does). A re-split keeps most of its stage so."""
     for k, h in after.items():
         had = before.get(k)
         if had is not None and k in old:
             runs = intersect(h.runs, had.runs)
-            if len(runs):
+            if not len(runs):
+                continue
+            source = _one_range(local_ranges(had, runs)) if share else None
+            if source is not None and _one_range(local_ranges(h, runs)) == (0, h.hi - h.lo):
+                new[k] = old[k][source[0] : source[1]]
+            else:
                 put(new[k], h, runs, take(old[k], had, runs))
 
 
@@ -142,6 +158,18 @@ def load_weights(model: torch.nn.Module, holdings: State, flat: Flat) -> None:
                 params[h.local_name].view(-1).copy_(flat.pop((name, key)))
 
 
+def check_holds_every_parameter(module: torch.nn.Module, holdings: State) -> None:
+    """ValueError unless `holdings` gives state for every parameter of `module` (a stage built to be
+    loaded: one left out would keep the values it was built with)."""
+    missing = sorted(
+        {name for name, _ in module.named_parameters()} - {h.local_name for h in holdings.values()}
+    )
+    if missing:
+        raise ValueError(
+            f"the reshard plan holds no state for {missing[0]}: it would keep the values it was built with"
+        )
+
+
 def load_engine_state(
     engine, holdings: State, flat: Flat, step: int, lrs: list[float] | None, weights_loaded: bool = False
 ) -> None:
@@ -151,11 +179,7 @@ def load_engine_state(
     ZeRO fragments. Consumes `flat`: each tensor is dropped once written, and the fp32 masters before
     the moments are made, so that the state is never held twice over."""
     params = dict(engine.module.named_parameters())
-    missing = sorted(set(params) - {h.local_name for h in holdings.values()})
-    if missing:
-        raise ValueError(
-            f"the reshard plan holds no state for {missing[0]}: it would keep its fresh initial values"
-        )
+    check_holds_every_parameter(engine.module, holdings)
 
     def write(keys: set[str]) -> None:
         for (name, key), h in holdings.items():

@@ -10,9 +10,11 @@ calls it between two steps, in the same processes and process groups).
 2. `exchange` (megahet/runtime/state_move.py) moves them over the world's process group, one message
    per run, on the device the state lives on: the layers that change stage, with their optimizer
    state, and the ZeRO fragments whose DP owner changes because a stage's flat partition grew or
-   shrank. Nothing is written to disk, and no rank gathers the model. Each rank then copies what it
-   keeps (`keep`).
-3. The old engine and stage modules are freed (and their memory given back: `release_freed_memory`);
+   shrank. Nothing is written to disk, and no rank gathers the model. What each rank keeps stays where
+   it is: views of the old engine's buffers (`keep(share=True)`; a copy only where a new holding mixes
+   kept and received runs).
+3. The old engine and stage modules are freed (and their memory given back: `release_freed_memory`),
+   all but the buffers under the kept views (the old weights' flat buffer goes once they are written);
    every rank builds its stage for the new split, writes the weights it now holds into it before the
    DeepSpeed engine is made from it (`load_weights`), then the fp32 masters and Adam moments into the
    new engine (`load_engine_state`), each tensor dropped once written, with Adam's step, the learning
@@ -24,7 +26,7 @@ calls it between two steps, in the same processes and process groups).
 A kill during a move loses nothing: no checkpoint is written or changed, and the job resumes from its
 last complete one. The move's cost is measured in three parts and logged (`resplit_s`; `resplit_plan_s`: the parameter
 list, the plan and the engine's state; `resplit_transfer_s`: the runs that change rank;
-`resplit_build_s`: the local copy of what each rank keeps, freeing, rebuilding and loading), with the
+`resplit_build_s`: what each rank keeps, freeing, rebuilding and loading), with the
 bytes moved (`resplit_bytes`); the pipeline balancer weighs the next re-split against it.
 
     trainer = resplit(trainer, rebuild)     # rebuild(plan, restore, resplits) -> Trainer
@@ -61,8 +63,8 @@ from megahet.runtime.state_move import exchange
 @dataclasses.dataclass(frozen=True)
 class ResplitCost:
     """A measured re-split (each part the slowest rank's): planning (the parameter list, the plan, the
-    engine's state), the transfer (the runs that change rank), the rebuild (the local copy of what each
-    rank keeps, free, build, load: it grows with the stage, not with what moves), and the bytes moved;
+    engine's state), the transfer (the runs that change rank), the rebuild (what each rank keeps, free,
+    build, load: it grows with the stage, not with what moves), and the bytes moved;
     what the pipeline balancer's next decision weighs."""
 
     plan_s: float
@@ -123,7 +125,7 @@ def resplit(trainer, rebuild: Callable[[RunPlan, checkpoint.Restore, int], objec
     held = engine_state(engine, before)
     state = exchange(moves, layout.rank, before, after, held, dtypes, weight.device, keep_local=False)
     t_moved = time.perf_counter()
-    keep(held, before, after, state)  # the rest of the stage's state: a local copy, as large as the stage
+    keep(held, before, after, state, share=True)  # the rest of the stage's state: views of the old engine
     del held, engine, model, inner, weight  # the old engine's last references here: _free releases it
     rng = checkpoint.rng_states()
     carried = {type(h).__name__: h.state_dict() for h in trainer.step_hooks if h.split_free}

@@ -289,10 +289,17 @@ def test_an_elastic_restart_reads_what_the_rank0_reshard_writes(trained, world1,
             layout = types.SimpleNamespace(tp_size=tp, pp_size=pp, dp_size=dp, rank=rank)
             resumed = read_resharded(cfg, resume, layout, split)
             want = read_per_parameter_state(written.path, params, new, rank, blocks=2)
-            assert resumed.state.keys() == want.keys()
+            state = resumed.read()
+            assert state.keys() == want.keys()
             for k, tensor in want.items():
-                assert torch.equal(resumed.state[k], tensor), (tp, pp, dp, rank, k)
-        assert "read its own slices of" in resumed.note and resumed.progress.iteration == 3
+                assert torch.equal(state[k], tensor), (tp, pp, dp, rank, k)
+            # into given tensors (an engine's views: `restore` reads there), written in place
+            into = {k: torch.full_like(t, float("nan")) for k, t in want.items()}
+            read = resumed.read(into)
+            assert all(read[k] is into[k] and torch.equal(into[k], t) for k, t in want.items())
+            with pytest.raises(ValueError, match="the destination holds"):
+                resumed.read(dict(list(into.items())[1:]))
+        assert resumed.source == "TP 2 x PP 1 x DP 2" and resumed.progress.iteration == 3
     layout = types.SimpleNamespace(tp_size=1, pp_size=1, dp_size=1, rank=0)
     bf16 = load_config(["--train.precision", "bf16"])
     assert read_resharded(bf16, resume, layout, (4,)) is None

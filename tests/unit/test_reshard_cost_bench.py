@@ -61,7 +61,7 @@ def test_rows_take_the_slowest_rank_and_the_worst_peak_against_the_own_shard():
     assert "x2.0" in new["parts"]  # transfer 0.2 s against a plain send of 0.1 s
     assert "build 0.50 (5.0 copies of the own shard)" in new["parts"]
     assert elastic_old["peak_over_shard"] == 7.5 and elastic_new["peak_over_shard"] == 2.0
-    assert "read peak 1.30x own shard, allocated 1.00x" in elastic_new["parts"]
+    assert "into the built engine: +1.30x own shard, allocated +1.00x" in elastic_new["parts"]
 
 
 def test_plot_draws_and_extrapolates(tmp_path: Path):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megahet.checkpointing.convert import ShardLayout, shard
-from megahet.checkpointing.state_slices import apply_plan
+from megahet.checkpointing.state_slices import apply_plan, keep
 from megahet.policy.reshard_plan import (
     KEYS,
     OPTIMIZER_KEYS,
@@ -26,6 +26,7 @@ from megahet.policy.reshard_plan import (
     decays,
     intersect,
     model_params,
+    rank_holdings,
     reshard_plan,
     stage_params,
     subtract,
@@ -177,3 +178,28 @@ def test_a_plan_between_different_models_names_the_problem():
     params = model_params(shapes(untied=False))
     with pytest.raises(ValueError, match="split"):
         reshard_plan(params, Layout(1, 2, 1, (2, 2)), Layout(1, 2, 1, (2, 3)))
+
+
+@pytest.mark.parametrize(("what", "old", "new"), CHANGES, ids=[c[0] for c in CHANGES])
+def test_keeping_by_view_gives_what_copying_gives(what, old, new):
+    """`keep(share=True)` (the re-split: no pass over the kept state) takes a view of the old flat tensor
+    where the rank keeps the whole of a new holding in one stretch, and copies elsewhere: the kept
+    elements are those of the copy, and elements to be received stay untouched."""
+    params = model_params(shapes(untied=False))
+    states = reference(params, old, gated=False)
+    plan = reshard_plan(params, old, new)
+    views = 0
+    for r in range(new.world):
+        before = rank_holdings(params, old, r, plan.blocks) if r < old.world else {}
+        after = rank_holdings(params, new, r, plan.blocks)
+        copied, shared = (
+            {k: torch.full((h.hi - h.lo,), -1, dtype=torch.int64) for k, h in after.items()} for _ in "ab"
+        )
+        keep(states.get(r, {}), before, after, copied)
+        keep(states.get(r, {}), before, after, shared, share=True)
+        for k in after:
+            assert torch.equal(shared[k], copied[k]), (what, r, k)
+            old_storage = states[r][k].untyped_storage().data_ptr() if k in states.get(r, {}) else None
+            views += shared[k].untyped_storage().data_ptr() == old_storage
+    if what.startswith("re-split"):  # most of a stage stays where it is
+        assert views > len(params), (what, views)

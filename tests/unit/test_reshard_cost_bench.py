@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.reshard_cost import PeakRSS, _plot, _rows
+from benchmarks.reshard_cost import PeakRSS
+from benchmarks.reshard_report import _plot, _rows
 
 MIB = 2**20
 

@@ -121,6 +121,7 @@ def resplit(trainer, rebuild: Callable[[RunPlan, checkpoint.Restore, int], objec
     adam = (zero.adam_step(engine.optimizer), [g["lr"] for g in inner.param_groups])
     schedule = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
     global_steps, progress = engine.global_steps, trainer.progress()
+    dist.barrier()  # the move starts when every rank has planned: their skew counts as planning, not moving
     t_planned = time.perf_counter()
     held = engine_state(engine, before)
     state = exchange(moves, layout.rank, before, after, held, dtypes, weight.device, keep_local=False)

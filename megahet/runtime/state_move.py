@@ -24,8 +24,10 @@ from megahet.checkpointing.state_slices import Flat, empty_like_holding, keep, p
 from megahet.policy.reshard_plan import ReshardPlan, State, local_ranges
 
 SMALL_BYTES = 1 << 20
-"""Runs smaller than this travel packed: one message per peer and dtype (a small model's hundreds of
-runs are latency, not bandwidth; at 10 M parameters one message per run took 2-6x a plain send)."""
+"""Runs smaller than this travel packed: one message per peer and dtype instead of hundreds (a small
+model's runs are tens of KiB). On the 2-core CPU host it did not change the 10 M re-split's transfer
+(x1.7-7.0 a plain send, against x2.3-6.0 unpacked: stalls of 4 ranks on 2 cores, docs/benchmarks.md);
+per-message latency on a network or NCCL is not measured."""
 
 
 def exchange(

@@ -132,6 +132,7 @@ def test_a_run_pins_the_ranks_and_reads_every_stage_trace(tmp_path, monkeypatch)
     def fake_torchrun(script, nproc, args, log):
         launched.append((script, nproc, args, log, os.environ.get("MEGAHET_CORES")))
         trace = Path(args[args.index("--balance.trace") + 1])
+        trace.write_text(json.dumps({"step": 0}) + "\n")  # PP 1 (TP, DP): one trace
         for stage in (0, 1):
             path = trace.with_name(f"{trace.stem}_stage{stage}{trace.suffix}")
             path.write_text(json.dumps({"step": 0, "stage": stage}) + "\n")
@@ -153,6 +154,12 @@ def test_a_run_pins_the_ranks_and_reads_every_stage_trace(tmp_path, monkeypatch)
     assert args[-2:] == ["--resize.selection", "random"]
     assert [t[0]["stage"] for t in traces] == [0, 1] and len(shares) == 2
     assert "MEGAHET_CORES" not in os.environ
+    assert args[args.index("--train.global_batch_size") + 1] == "8"  # four micro-batches of 2
+    bench.run("dp", "measured", True, 12, [0, 1])
+    dp_args = launched[-1][2]
+    # DP shares move whole micro-batches: sixteen of one sequence leave the planner room.
+    assert dp_args[dp_args.index("--train.micro_batch_size") + 1] == "1"
+    assert dp_args[dp_args.index("--train.global_batch_size") + 1] == "16"
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,140 @@
+"""What a time-sliced participant adds to every collective: two gloo ranks, compute then all-reduce.
+
+    python benchmarks/collective_delay.py                     # calm and contended (~1 min)
+    python benchmarks/collective_delay.py --iters 100 --name collective_delay_short
+
+Two ranks, each pinned to a core of its own (as benchmarks/real_contention.py pins them), repeat what a
+TP=2 layer does: a matrix product of a micro-batch's activations (256 tokens x 512 -> 2048), then an
+all-reduce of 256 x 512 fp32 (512 KiB), `--iters` times. In the contended mode a busy loop shares rank
+1's core (benchmarks/contention.py), as in the real-contention benchmark.
+
+Per iteration, each rank times its product and its all-reduce. The ranks leave every all-reduce
+together, so an iteration lasts as long as the slower rank's product plus the time *neither* rank
+computes: the collective itself, and, when one rank's core is time-sliced, the time that rank waits to
+be scheduled again at each of the collective's round trips (it blocks, the busy loop runs). Reported
+per mode (medians over iterations): the iteration, each rank's product, the time neither computes
+(`idle_ms` = iteration - the slower product), and each rank's share of its core (schedstat). The
+contended `idle_ms` less the calm one is what one time-sliced participant adds to each collective,
+on top of its slower compute; no split of the work between the ranks takes it back. Writes
+benchmarks/results/<name>.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import save_results
+from benchmarks.contention import competing_process, core_share, schedstat, two_cores
+from megahet.launch import free_port
+
+TOKENS, HIDDEN, FFN = 256, 512, 2048
+COLUMNS = ["mode", "iteration_ms", "product_ms", "idle_ms", "added_ms", "core_share"]
+
+
+def _rank(rank: int, cores: list[int], port: int, iters: int, out) -> None:
+    """One rank: `iters` x (product, all-reduce), each timed; puts (products, collectives, iterations,
+    core share) in `out` (rank 0: every rank's)."""
+    import torch
+    import torch.distributed as dist
+
+    os.sched_setaffinity(0, {cores[rank]})
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    x = torch.randn(TOKENS, HIDDEN)  # (s*b, h): a micro-batch's activations
+    w = torch.randn(HIDDEN, FFN)  # (h, ffn): a column-parallel weight
+    partial = torch.randn(TOKENS, HIDDEN)  # (s*b, h): a row-parallel output to all-reduce
+    for _ in range(10):
+        x @ w
+        dist.all_reduce(partial)
+    dist.barrier()
+    products, collectives, iterations = [], [], []
+    sched0 = schedstat(os.getpid())
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        x @ w  # (s*b, ffn)
+        t1 = time.perf_counter()
+        dist.all_reduce(partial)
+        t2 = time.perf_counter()
+        products.append(t1 - t0)
+        collectives.append(t2 - t1)
+        iterations.append(t2 - t0)
+    share = core_share(sched0, schedstat(os.getpid()))
+    gathered = [None, None]
+    dist.all_gather_object(gathered, (products, collectives, iterations, share))
+    if rank == 0:
+        out.put(gathered)
+    dist.destroy_process_group()
+
+
+def measure(iters: int, cores: list[int], contended: bool) -> list[tuple]:
+    """Run the two ranks (rank 1's core shared with a busy loop when `contended`); every rank's
+    (products, collectives, iterations, core share)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    with competing_process(cores[1]) if contended else contextlib.nullcontext():
+        procs = [ctx.Process(target=_rank, args=(r, cores, port, iters, out)) for r in range(2)]
+        for p in procs:
+            p.start()
+        gathered = out.get(timeout=600)
+        for p in procs:
+            p.join()
+    if any(p.exitcode for p in procs):
+        raise RuntimeError(f"collective_delay: a rank failed (exit codes {[p.exitcode for p in procs]})")
+    return gathered
+
+
+def summarize(mode: str, gathered: list[tuple]) -> dict:
+    """Medians over iterations (ms): the iteration (rank 0's clock: the ranks leave each all-reduce
+    together), each rank's product, and the time neither rank computes (the iteration less the slower
+    product, per iteration)."""
+    (p0, _, it0, s0), (p1, _, _, s1) = gathered
+    idle = [it - max(a, b) for it, a, b in zip(it0, p0, p1)]
+    return {
+        "mode": mode,
+        "iteration_ms": 1e3 * statistics.median(it0),
+        "product_ms": [round(1e3 * statistics.median(p), 3) for p in (p0, p1)],
+        "idle_ms": 1e3 * statistics.median(idle),
+        "core_share": [round(s0, 3), round(s1, 3)],
+    }
+
+
+def added(rows: list[dict]) -> None:
+    """Each row's idle time beyond the calm run's: what the time-sliced participant adds per collective."""
+    calm = next(r for r in rows if r["mode"] == "calm")
+    for row in rows:
+        row["added_ms"] = row["idle_ms"] - calm["idle_ms"]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=400)
+    parser.add_argument("--name", default="collective_delay")
+    args = parser.parse_args(argv)
+    if args.iters < 1:
+        sys.exit("collective_delay: error: --iters must be at least 1")
+    cores = two_cores()
+    if cores is None:
+        sys.exit("collective_delay: error: needs two CPU cores to pin the ranks to")
+    rows = []
+    for mode in ("calm", "contended"):
+        rows.append(summarize(mode, measure(args.iters, cores, mode == "contended")))
+        print(rows[-1], flush=True)
+    added(rows)
+    save_results(args.name, rows, COLUMNS, {"iters": args.iters, "cores": cores})
+    return rows
+
+
+if __name__ == "__main__":
+    main()

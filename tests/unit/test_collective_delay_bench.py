@@ -1,0 +1,42 @@
+"""The collective-delay benchmark (benchmarks/collective_delay.py): its arithmetic (the time neither rank
+computes, per iteration, and what contention adds to it), its one-line errors, and a short real run of
+two pinned gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.collective_delay import added, main, measure, summarize
+from benchmarks.contention import two_cores
+
+
+def test_idle_time_is_the_iteration_less_the_slower_product_per_iteration():
+    # Rank 0's iterations 10 and 20 ms; products (4, 6) then (12, 5): idle 4 and 8 ms, median 6.
+    calm = summarize(
+        "calm", [([0.004, 0.012], [0.0, 0.0], [0.010, 0.020], 0.9), ([0.006, 0.005], [], [], 0.8)]
+    )
+    assert calm["idle_ms"] == pytest.approx(6.0)
+    assert calm["iteration_ms"] == pytest.approx(15.0)
+    assert calm["product_ms"] == [8.0, 5.5] and calm["core_share"] == [0.9, 0.8]
+    busy = summarize("contended", [([0.004], [0.0], [0.020], 0.9), ([0.010], [], [], 0.5)])
+    assert busy["idle_ms"] == pytest.approx(10.0)  # 20 - max(4, 10): the slower product is rank 1's
+    rows = [calm, busy]
+    added(rows)
+    assert [r["added_ms"] for r in rows] == pytest.approx([0.0, 4.0])
+
+
+def test_bad_iterations_are_a_one_line_error():
+    with pytest.raises(SystemExit, match="--iters must be at least 1"):
+        main(["--iters", "0"])
+
+
+@pytest.mark.skipif(two_cores() is None, reason="needs two cores to pin the ranks to")
+def test_two_pinned_ranks_time_their_products_and_all_reduces():
+    gathered = measure(iters=3, cores=two_cores(), contended=False)
+    assert len(gathered) == 2
+    for products, collectives, iterations, share in gathered:
+        assert len(products) == len(collectives) == len(iterations) == 3
+        assert all(i >= p > 0 for p, i in zip(products, iterations))
+        assert 0 < share <= 1.01
+    row = summarize("calm", gathered)
+    assert row["idle_ms"] > 0  # an all-reduce is never free

@@ -20,19 +20,27 @@ def test_idle_time_is_the_iteration_less_the_slower_product_per_iteration():
     assert calm["product_ms"] == [8.0, 5.5] and calm["core_share"] == [0.9, 0.8]
     busy = summarize("contended", [([0.004], [0.0], [0.020], 0.9), ([0.010], [], [], 0.5)])
     assert busy["idle_ms"] == pytest.approx(10.0)  # 20 - max(4, 10): the slower product is rank 1's
-    rows = [calm, busy]
-    added(rows)
-    assert [r["added_ms"] for r in rows] == pytest.approx([0.0, 4.0])
+    wide = summarize("calm", [([0.004], [0.0], [0.005], 0.9), ([0.004], [], [], 0.9)], ffn=8192)
+    rows = [calm, busy, wide]
+    added(rows)  # against the calm run of the same width
+    assert [r["added_ms"] for r in rows] == pytest.approx([0.0, 4.0, 0.0])
 
 
-def test_bad_iterations_are_a_one_line_error():
-    with pytest.raises(SystemExit, match="--iters must be at least 1"):
-        main(["--iters", "0"])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["--iters", "0"], "--iters must be at least 1"), (["--ffn", "2k"], "give widths as integers")],
+)
+def test_bad_arguments_are_one_line_errors(argv, message, monkeypatch):
+    import benchmarks.collective_delay as bench
+
+    monkeypatch.setattr(bench, "measure", lambda *a, **k: pytest.fail("launched"))
+    with pytest.raises(SystemExit, match=message):
+        main(argv)
 
 
 @pytest.mark.skipif(two_cores() is None, reason="needs two cores to pin the ranks to")
 def test_two_pinned_ranks_time_their_products_and_all_reduces():
-    gathered = measure(iters=3, cores=two_cores(), contended=False)
+    gathered = measure(iters=3, cores=two_cores(), contended=False, ffn=1024)
     assert len(gathered) == 2
     for products, collectives, iterations, share in gathered:
         assert len(products) == len(collectives) == len(iterations) == 3

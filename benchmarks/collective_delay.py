@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import queue
 import statistics
 import sys
 import time
@@ -90,11 +91,18 @@ def measure(iters: int, cores: list[int], contended: bool, ffn: int = FFNS[0]) -
         procs = [ctx.Process(target=_rank, args=(r, cores, port, iters, ffn, out)) for r in range(2)]
         for p in procs:
             p.start()
-        gathered = out.get(timeout=600)
+        gathered = None
+        while gathered is None:  # a rank that died never puts: stop its peer instead of waiting forever
+            try:
+                gathered = out.get(timeout=1.0)
+            except queue.Empty:
+                if any(p.exitcode for p in procs):
+                    for p in procs:
+                        p.kill()
+                    codes = [p.exitcode for p in procs]
+                    raise RuntimeError(f"collective_delay: a rank failed (exit codes {codes})") from None
         for p in procs:
             p.join()
-    if any(p.exitcode for p in procs):
-        raise RuntimeError(f"collective_delay: a rank failed (exit codes {[p.exitcode for p in procs]})")
     return gathered
 
 

@@ -1,6 +1,6 @@
 """The balancers against a real straggler: two ranks pinned to two cores, another process busy on one.
 
-    python benchmarks/real_contention.py                          # TP, DP and PP cases (~20 min)
+    python benchmarks/real_contention.py                          # TP, DP and PP cases (~12 min)
     python benchmarks/real_contention.py --cases tp --modes static migrate --steps 30
     python benchmarks/real_contention.py --set balance.whole_step=false --name real_contention_movable
 

@@ -48,3 +48,11 @@ def test_two_pinned_ranks_time_their_products_and_all_reduces():
         assert 0 < share <= 1.01
     row = summarize("calm", gathered)
     assert row["idle_ms"] > 0  # an all-reduce is never free
+
+
+@pytest.mark.skipif(two_cores() is None, reason="needs two CPU cores")
+def test_a_rank_that_dies_stops_the_run_with_its_exit_code():
+    # Rank 1 cannot pin itself to a core that does not exist: it exits, and rank 0, waiting for it at
+    # the rendezvous, is stopped instead of waiting out the timeout.
+    with pytest.raises(RuntimeError, match=r"a rank failed \(exit codes"):
+        measure(iters=1, cores=[two_cores()[0], 4096], contended=False, ffn=64)

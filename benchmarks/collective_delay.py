@@ -9,7 +9,7 @@ all-reduce of 256 x 512 fp32 (512 KiB), `--iters` times, for each product width 
 work between two collectives: about 6-50 ms here). In the contended mode a busy loop shares rank 1's
 core (benchmarks/contention.py), as in the real-contention benchmark.
 
-Per iteration, each rank times its product and its all-reduce. The ranks leave every all-reduce
+Per iteration, each rank times its product and the whole iteration (the product and its all-reduce). The ranks leave every all-reduce
 together, so an iteration lasts as long as the slower rank's product plus the time *neither* rank
 computes: the collective itself, and, when one rank's core is time-sliced, the time that rank waits to
 be scheduled again at the collective's round trips (it blocks, the busy loop runs). Reported per
@@ -45,8 +45,8 @@ COLUMNS = ["ffn", "mode", "iteration_ms", "product_ms", "idle_ms", "added_ms", "
 
 
 def _rank(rank: int, cores: list[int], port: int, iters: int, ffn: int, out) -> None:
-    """One rank: `iters` x (product, all-reduce), each timed; puts (products, collectives, iterations,
-    core share) in `out` (rank 0: every rank's)."""
+    """One rank: `iters` x (product, all-reduce), timed; puts (products, iterations, core share) in
+    `out` (rank 0: every rank's)."""
     import torch
     import torch.distributed as dist
 
@@ -60,7 +60,7 @@ def _rank(rank: int, cores: list[int], port: int, iters: int, ffn: int, out) -> 
         x @ w
         dist.all_reduce(partial)
     dist.barrier()
-    products, collectives, iterations = [], [], []
+    products, iterations = [], []
     sched0 = schedstat(os.getpid())
     for _ in range(iters):
         t0 = time.perf_counter()
@@ -69,11 +69,10 @@ def _rank(rank: int, cores: list[int], port: int, iters: int, ffn: int, out) -> 
         dist.all_reduce(partial)
         t2 = time.perf_counter()
         products.append(t1 - t0)
-        collectives.append(t2 - t1)
-        iterations.append(t2 - t0)
+        iterations.append(t2 - t0)  # the all-reduce is the rest: derived where it is needed
     share = core_share(sched0, schedstat(os.getpid()))
     gathered = [None, None]
-    dist.all_gather_object(gathered, (products, collectives, iterations, share))
+    dist.all_gather_object(gathered, (products, iterations, share))
     if rank == 0:
         out.put(gathered)
     dist.destroy_process_group()
@@ -81,7 +80,7 @@ def _rank(rank: int, cores: list[int], port: int, iters: int, ffn: int, out) -> 
 
 def measure(iters: int, cores: list[int], contended: bool, ffn: int = FFNS[0]) -> list[tuple]:
     """Run the two ranks (rank 1's core shared with a busy loop when `contended`); every rank's
-    (products, collectives, iterations, core share)."""
+    (products, iterations, core share)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -110,7 +109,7 @@ def summarize(mode: str, gathered: list[tuple], ffn: int = FFNS[0]) -> dict:
     """Medians over iterations (ms): the iteration (rank 0's clock: the ranks leave each all-reduce
     together), each rank's product, and the time neither rank computes (the iteration less the slower
     product, per iteration)."""
-    (p0, _, it0, s0), (p1, _, _, s1) = gathered
+    (p0, it0, s0), (p1, _, s1) = gathered
     idle = [it - max(a, b) for it, a, b in zip(it0, p0, p1)]
     return {
         "ffn": ffn,

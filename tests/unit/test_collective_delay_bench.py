@@ -12,15 +12,13 @@ from benchmarks.contention import two_cores
 
 def test_idle_time_is_the_iteration_less_the_slower_product_per_iteration():
     # Rank 0's iterations 10 and 20 ms; products (4, 6) then (12, 5): idle 4 and 8 ms, median 6.
-    calm = summarize(
-        "calm", [([0.004, 0.012], [0.0, 0.0], [0.010, 0.020], 0.9), ([0.006, 0.005], [], [], 0.8)]
-    )
+    calm = summarize("calm", [([0.004, 0.012], [0.010, 0.020], 0.9), ([0.006, 0.005], [], 0.8)])
     assert calm["idle_ms"] == pytest.approx(6.0)
     assert calm["iteration_ms"] == pytest.approx(15.0)
     assert calm["product_ms"] == [8.0, 5.5] and calm["core_share"] == [0.9, 0.8]
-    busy = summarize("contended", [([0.004], [0.0], [0.020], 0.9), ([0.010], [], [], 0.5)])
+    busy = summarize("contended", [([0.004], [0.020], 0.9), ([0.010], [], 0.5)])
     assert busy["idle_ms"] == pytest.approx(10.0)  # 20 - max(4, 10): the slower product is rank 1's
-    wide = summarize("calm", [([0.004], [0.0], [0.005], 0.9), ([0.004], [], [], 0.9)], ffn=8192)
+    wide = summarize("calm", [([0.004], [0.005], 0.9), ([0.004], [], 0.9)], ffn=8192)
     rows = [calm, busy, wide]
     added(rows)  # against the calm run of the same width
     assert [r["added_ms"] for r in rows] == pytest.approx([0.0, 4.0, 0.0])
@@ -39,11 +37,11 @@ def test_bad_arguments_are_one_line_errors(argv, message, monkeypatch):
 
 
 @pytest.mark.skipif(two_cores() is None, reason="needs two cores to pin the ranks to")
-def test_two_pinned_ranks_time_their_products_and_all_reduces():
+def test_two_pinned_ranks_time_their_products_and_iterations():
     gathered = measure(iters=3, cores=two_cores(), contended=False, ffn=1024)
     assert len(gathered) == 2
-    for products, collectives, iterations, share in gathered:
-        assert len(products) == len(collectives) == len(iterations) == 3
+    for products, iterations, share in gathered:
+        assert len(products) == len(iterations) == 3
         assert all(i >= p > 0 for p, i in zip(products, iterations))
         assert 0 < share <= 1.01
     row = summarize("calm", gathered)

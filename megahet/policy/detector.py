@@ -15,13 +15,44 @@ sample is work / time; the estimate is the median of the last `window` samples, 
 
 A rank's fixed work (what no plan moves: its optimizer step, embedding, output layer and loss) is
 smoothed the same way, by a `MedianWindow`.
+
+Inside the transformer layers a rank's time is not proportional to its work units either (issue 47): the
+norms, residual adds, per-layer launches and the attention of the heads it keeps do not move with the
+units, and a slow device is slow at them too. Divided by fewer units, that fixed part makes a rank that
+gave work away look slower per unit the more it gives (measured: 0.16 for an emulated 0.25), and the
+balancer then moves still more. `AffineSpeedEstimator` models each rank's layer time as
+
+    t_r = c_r * (phi_r + u_r)        u_r: its work in units of U (the even split's), c_r: seconds per U,
+                                     phi_r: its fixed work in units of U at its own speed
+
+and fits phi from the samples the balancer already has at different unit counts: each plan change
+gives every rank whose work changed a pair of (work, median time) before and after, and phi is the
+median of the group's recent pairs' solutions. One phi for the group: its ranks run the same layers, and
+a slower device or a co-tenant slows the fixed and the per-unit work alike (a rank's own phi would make
+ranks at the even split read apart whenever their pairs differ, and a virtual device slows only the
+units' FLOPs when its host is faster than its rate: megahet/runtime/devices.py). A rank's speed is
+1 / c_r, the median over the window of (phi + u_k) / t_k, which does not drift as work moves; the
+planner gets phi c_r as its fixed work.
+
+    est = AffineSpeedEstimator(tp_size=2, window=3)
+    est.update(units=[1.0, 1.0], time=[t0, t1])
+    est.speeds(), est.fixed()    # relative speeds, fixed work in units of the fastest rank's U-time
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 from collections.abc import Sequence
+
+PHI_MAX = 8.0
+"""The largest fixed work a pair may give (in units of U): a pair whose times barely moved (noise, or a
+speed change at the plan change) solves to nonsense; clamped, the median of the pairs outvotes it."""
+MIN_CHANGE = 0.1
+"""A plan change that moved less than this (of U) on a rank gives it no pair: timing noise would dominate."""
+SAME_RUN = 0.01
+"""Samples whose work differs by at most this fraction are one run of the same plan."""
 
 
 class MedianWindow:
@@ -82,3 +113,163 @@ class SpeedEstimator(MedianWindow):
 
     def stragglers(self, threshold: float) -> list[int]:
         return [r for r, s in enumerate(self.speeds()) if s < 1.0 - threshold]
+
+
+class AffineTime:
+    """One rank's layer time as fixed + per unit, t = c (phi + u), from its recent (u, t) samples.
+
+    Samples come in runs of equal work (one plan each). When the work changes by at least MIN_CHANGE, the
+    median times of the previous run and of the current one (refined as it grows) give a pair's
+    phi = (u0 t1 - u1 t0) / (t0 - t1); `phis` keeps the last `pairs` of them (the estimator takes the
+    group's median; none: phi 0, time proportional to work)."""
+
+    def __init__(self, window: int, pairs: int = 5):
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
+        self.samples: collections.deque[tuple[float, float]] = collections.deque(maxlen=window)
+        self.run: list[float] = []
+        """This plan's times so far (its last `window`)."""
+        self.run_units: float | None = None
+        self.previous: tuple[float, float] | None = None
+        """(units, median time) of the run before this one."""
+        self.phis: collections.deque[float] = collections.deque(maxlen=pairs)
+        self.paired = False
+        """Whether `phis[-1]` is this run's pair (refined as the run grows)."""
+
+    def update(self, units: float, time: float) -> None:
+        """One step's work in units of U and its time; a step that measured nothing (<= 0) is skipped."""
+        if not (units > 0 and time > 0):
+            return
+        self.samples.append((float(units), float(time)))
+        if self.run_units is None or abs(units - self.run_units) > SAME_RUN * max(units, self.run_units):
+            if self.run:
+                self.previous = (self.run_units, statistics.median(self.run))
+            self.run, self.run_units, self.paired = [], float(units), False
+        self.run = [*self.run[-(self.window - 1) :], float(time)] if self.window > 1 else [float(time)]
+        self._pair()
+
+    def _pair(self) -> None:
+        if self.previous is None:
+            return
+        (u0, t0), u1, t1 = self.previous, self.run_units, statistics.median(self.run)
+        if abs(u1 - u0) < MIN_CHANGE:
+            return
+        moved = (t0 - t1) * (u0 - u1)
+        if moved < 0:  # the time moved against the work: the speed changed with the plan, no pair
+            if self.paired:
+                self.phis.pop()
+                self.paired = False
+            return
+        phi = PHI_MAX if moved == 0 else min(max((u0 * t1 - u1 * t0) / (t0 - t1), 0.0), PHI_MAX)
+        if self.paired:
+            self.phis[-1] = phi
+        else:
+            self.phis.append(phi)
+            self.paired = True
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.samples)
+
+    def per_unit(self, phi: float) -> float:
+        """Seconds per unit of work with fixed work `phi`: the median over the window of t / (phi + u)."""
+        return statistics.median(t / (phi + u) for u, t in self.samples)
+
+    def state_dict(self) -> dict:
+        return {
+            "samples": [list(s) for s in self.samples],
+            "run": list(self.run),
+            "run_units": self.run_units,
+            "previous": list(self.previous) if self.previous else None,
+            "phis": list(self.phis),
+            "paired": self.paired,
+        }
+
+    def load_state_dict(self, state: dict | list) -> None:
+        """A saved state; or, from checkpoints written before the affine model, the list of speed samples
+        work / time (read as time 1 / speed for one unit: the same speeds with phi 0)."""
+        self.samples.clear()
+        self.run, self.run_units, self.previous, self.paired = [], None, None, False
+        self.phis.clear()
+        if isinstance(state, list):
+            self.samples.extend((1.0, 1.0 / s) for s in state if s > 0)
+            return
+        self.samples.extend(tuple(s) for s in state["samples"])
+        self.run, self.run_units = list(state["run"]), state["run_units"]
+        self.previous = tuple(state["previous"]) if state["previous"] else None
+        self.phis.extend(state["phis"])
+        self.paired = state["paired"]
+
+
+class AffineSpeedEstimator:
+    """Per TP rank an `AffineTime`: relative speeds 1 / c_r and fixed work phi_r, from (units, time)."""
+
+    def __init__(self, tp_size: int, window: int = 5):
+        self.ranks = [AffineTime(window) for _ in range(tp_size)]
+
+    def update(self, units: Sequence[float], time: Sequence[float]) -> None:
+        if len(units) != len(self.ranks) or len(time) != len(self.ranks):
+            raise ValueError(
+                f"expected {len(self.ranks)} ranks, got {len(units)} units and {len(time)} times"
+            )
+        for rank, u, t in zip(self.ranks, units, time):
+            rank.update(u, t)
+
+    @property
+    def ready(self) -> bool:
+        return all(r.ready for r in self.ranks)
+
+    @property
+    def phi(self) -> float:
+        """The group's fixed layer work in units of U at a rank's own speed: the median of every rank's
+        recent pairs (0 before the first)."""
+        pairs = [p for r in self.ranks for p in r.phis]
+        return statistics.median(pairs) if pairs else 0.0
+
+    def per_unit(self) -> list[float]:
+        """Each rank's seconds per U."""
+        if not self.ready:
+            raise ValueError("no speed sample yet for some rank")
+        phi = self.phi
+        return [r.per_unit(phi) for r in self.ranks]
+
+    def speeds(self) -> list[float]:
+        """Each rank's speed (U per second), normalized to the fastest."""
+        per_unit = self.per_unit()
+        quickest = min(per_unit)
+        return [quickest / c for c in per_unit]
+
+    def phis(self) -> list[float]:
+        """phi per rank (the group's, for every rank)."""
+        return [self.phi] * len(self.ranks)
+
+    def fixed(self) -> list[float]:
+        """Each rank's fixed layer work in units of the time the fastest rank takes for U units (the
+        planner's `fixed`): phi c_r / min c."""
+        per_unit, phi = self.per_unit(), self.phi
+        quickest = min(per_unit)
+        return [phi * c / quickest for c in per_unit]
+
+    def stragglers(self, threshold: float) -> list[int]:
+        return [r for r, s in enumerate(self.speeds()) if s < 1.0 - threshold]
+
+    def state_dict(self) -> list[dict]:
+        return [r.state_dict() for r in self.ranks]
+
+    def load_state_dict(self, state: Sequence) -> None:
+        if len(state) != len(self.ranks):
+            raise ValueError(f"saved speeds are for {len(state)} TP ranks, this group has {len(self.ranks)}")
+        for rank, saved in zip(self.ranks, state):
+            rank.load_state_dict(saved)
+
+
+def units_of_work(work: Sequence[float], planned: Sequence[float]) -> list[float]:
+    """Each rank's executed work in units of U: its FLOPs over U's, U = sum(work) / sum(planned units)
+    (the plan's work per rank in units of U; migration conserves it, so U is exact then; resizing rounds
+    dropped units down, which moves U by at most a unit's share)."""
+    total, planned_total = sum(work), sum(planned)
+    if not (total > 0 and planned_total > 0 and math.isfinite(total)):
+        return [-1.0] * len(work)
+    unit = total / planned_total
+    return [w / unit for w in work]

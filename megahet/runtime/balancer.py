@@ -10,7 +10,9 @@ so that a rank doing fewer units does not look slower per unit) — gathered ove
 TP x DP ranks by an asynchronous all-gather that completes while the step finishes. A virtual device
 is measured the same way: it only slows its rank down, and the balancer never reads its profile or
 charge. At the start of the next step every rank feeds the
-same `SpeedEstimator`s (one per DP replica's TP group) with them and, every `balance.interval` steps,
+same `AffineSpeedEstimator`s (one per DP replica's TP group: each rank's layer time as fixed work plus
+work per unit, so that a rank that gave units away does not look slower per unit; megahet/policy/detector.py)
+with them and, every `balance.interval` steps,
 runs the same pure planner (`megahet.policy.planner.balance`: static, resize, migrate or semi, with
 hysteresis and a return to the even split when the group is healthy), so the resulting plan is
 identical everywhere. The ResizeController turns the targets into units at the next step.
@@ -45,23 +47,30 @@ from megatron.core import parallel_state as ps
 
 from megahet.config import MegahetConfig
 from megahet.parallel import ParallelLayout
-from megahet.policy.detector import MedianWindow, SpeedEstimator
+from megahet.policy.detector import AffineSpeedEstimator, MedianWindow, units_of_work
 from megahet.policy.planner import WorkTarget, balance, ideal_shares, step_times
 from megahet.runtime.hooks import MeasuringHook, StepContext
 from megahet.runtime.trace_plot import read_trace
 from megahet.runtime.trace_writer import TraceWriter, trace_path
 
 
-def compute_efficiency(work: list[float], busy: list[float], fixed: list[float] | None = None) -> float:
+def compute_efficiency(
+    work: list[float], busy: list[float], fixed: list[float] | None = None, phi: list[float] | None = None
+) -> float:
     """The ideal step of the executed work over the slowest rank's step: the ideal splits the movable work
-    by each rank's measured speed work_i / busy_i so that the whole steps (movable plus `fixed` seconds)
-    end together; without `fixed`, the movable compute alone (in proportion to the speeds)."""
+    by each rank's measured speed so that the whole steps (movable plus `fixed` seconds) end together;
+    without `fixed`, the movable compute alone. With `phi` (each rank's fixed layer work in units of U,
+    `work` then in units of U: the affine model of megahet/policy/detector.py) rank i's busy time is
+    c_i (phi_i + work_i), its speed 1 / c_i, and phi_i c_i seconds of it stay with it whatever the split;
+    without, its speed is work_i / busy_i."""
     if min(busy) <= 0 or min(work) <= 0:
         return float("nan")
     fixed = fixed or [0.0] * len(work)
-    unit = sum(work) / len(work)  # ideal_shares' U
-    speeds = [w / t / unit for w, t in zip(work, busy)]  # U per second
-    ideal = max(step_times(ideal_shares(speeds, fixed), speeds, fixed))
+    unit = sum(work) / len(work)  # ideal_shares' U: the executed work split N ways
+    phi = [p / unit for p in phi] if phi else [0.0] * len(work)
+    speeds = [(p + w / unit) / t for p, w, t in zip(phi, work, busy)]  # U per second
+    whole = [f + p / s for f, p, s in zip(fixed, phi, speeds)]  # seconds no split moves
+    ideal = max(step_times(ideal_shares(speeds, whole), speeds, whole))
     return ideal / max(t + f for t, f in zip(busy, fixed))
 
 
@@ -108,7 +117,10 @@ class BalanceController(MeasuringHook):
         transformer layers (their time minus the time blocked in collectives); the trace also records
         `compute_s` and `wait_s`. `ctx.step_t0`: when the current step began, so plan changes and
         transfers count."""
-        self.estimators = [SpeedEstimator(layout.tp_size, cfg.balance.window) for _ in range(layout.dp_size)]
+        self.estimators = [
+            AffineSpeedEstimator(layout.tp_size, cfg.balance.window) for _ in range(layout.dp_size)
+        ]
+        """Per TP group, each rank's layer time as fixed + per unit (megahet/policy/detector.py)."""
         self.fixed = [MedianWindow(layout.tp_size, cfg.balance.window) for _ in range(layout.dp_size)]
         """Per TP group, each rank's fixed work (`StepTimes.fixed_s`) in units of the time the group's
         fastest rank takes for U units, smoothed as the speeds are (`balance.whole_step`)."""
@@ -163,21 +175,29 @@ class BalanceController(MeasuringHook):
         works, busys, computes, waits, fixeds, optimizers = (
             [[table[(d, t)][i] for t in tp] for d in dp] for i in range(6)
         )
-        for d, (work, busy, fixed) in enumerate(zip(works, busys, fixeds)):
-            self.estimators[d].update(work, busy)
-            self.fixed[d].update(self._fixed_in_units(d, busy, fixed))
+        units = [units_of_work(work, t.work(self.layout.tp_size)) for work, t in zip(works, self.targets)]
+        for d, (u, busy, fixed) in enumerate(zip(units, busys, fixeds)):
+            self.estimators[d].update(u, busy)
+            self.fixed[d].update(self._fixed_in_units(d, u, busy, fixed))
         whole = self.cfg.whole_step
-        efficiency = [compute_efficiency(w, b, f if whole else None) for w, b, f in zip(works, busys, fixeds)]
+        efficiency = [
+            compute_efficiency(u, b, f if whole else None, e.phis())
+            for u, b, f, e in zip(units, busys, fixeds, self.estimators)
+        ]
         self._efficiency.append(efficiency[self.layout.dp_rank])
         if self.trace is not None:
-            self._write_trace(step, step_s, works, busys, efficiency, computes, waits, fixeds, optimizers)
+            self._write_trace(
+                step, step_s, works, busys, efficiency, computes, waits, fixeds, optimizers, units
+            )
         self._due = (step + 1) % self.cfg.interval == 0 and all(e.ready for e in self.estimators)
 
-    def _fixed_in_units(self, dp: int, busy: list[float], fixed_s: list[float]) -> list[float]:
-        """Each rank's fixed seconds in units of the time the group's fastest rank took for U units in the
-        same step (its work in units of U, from the targets that ran, over its layers' time)."""
-        units = self.targets[dp].work(self.layout.tp_size)
-        per_second = [u / b for u, b in zip(units, busy) if u > 0 and b > 0]
+    def _fixed_in_units(
+        self, dp: int, units: list[float], busy: list[float], fixed_s: list[float]
+    ) -> list[float]:
+        """Each rank's fixed seconds outside the layers in units of the time the group's fastest rank took
+        for U units in the same step (its layer time over its fixed layer work plus its units)."""
+        phis = self.estimators[dp].phis()
+        per_second = [(p + u) / b for p, u, b in zip(phis, units, busy) if u > 0 and b > 0]
         if not per_second:
             return [-1.0] * len(busy)  # nothing measured: no sample
         fastest = max(per_second)
@@ -194,12 +214,13 @@ class BalanceController(MeasuringHook):
             for group, current, f in zip(speeds, self.targets, fixed)
         ]
 
-    def fixed_work(self) -> list[list[float]] | None:
-        """[dp][tp] fixed work in units of U at the group's fastest speed (None: `balance.whole_step`
-        off, or no sample yet)."""
+    def fixed_work(self) -> list[list[float]]:
+        """[dp][tp] fixed work in units of U at the group's fastest speed: the fixed layer work of the affine
+        model, plus, with `balance.whole_step`, the work outside the layers (once measured)."""
+        layers = [e.fixed() for e in self.estimators]
         if not self.cfg.whole_step or not all(f.ready for f in self.fixed):
-            return None
-        return [f.medians() for f in self.fixed]
+            return layers
+        return [[a + b for a, b in zip(x, f.medians())] for x, f in zip(layers, self.fixed)]
 
     def _plan(self) -> None:
         """Plan on the estimated speeds and fixed work; hand changed targets to the ResizeController."""
@@ -228,7 +249,7 @@ class BalanceController(MeasuringHook):
         self._collect()
         return {
             "step": self.step,
-            "samples": [[list(s) for s in e.samples] for e in self.estimators],
+            "samples": [e.state_dict() for e in self.estimators],
             "fixed_samples": [[list(s) for s in f.samples] for f in self.fixed],
             "targets": [dataclasses.asdict(t) for t in self.targets],
             "changes": self.changes,
@@ -241,7 +262,9 @@ class BalanceController(MeasuringHook):
         fixed = state.get("fixed_samples") or [
             [[] for _ in f.samples] for f in self.fixed
         ]  # older checkpoints
-        for window, saved in [*zip(self.estimators, state["samples"], strict=True), *zip(self.fixed, fixed)]:
+        for estimator, saved in zip(self.estimators, state["samples"], strict=True):
+            estimator.load_state_dict(saved)
+        for window, saved in zip(self.fixed, fixed):
             for samples, values in zip(window.samples, saved, strict=True):
                 samples.clear()
                 samples.extend(values)
@@ -265,7 +288,7 @@ class BalanceController(MeasuringHook):
         return self.resize.executor.plan.unit_fractions(self.resize.units, dp, self.layout.tp_size)
 
     def _write_trace(
-        self, step, step_s, works, busys, efficiency, computes, waits, fixeds, optimizers
+        self, step, step_s, works, busys, efficiency, computes, waits, fixeds, optimizers, units
     ) -> None:
         """One JSON line per step: the executed plan and the measurements, indexed [dp][tp]."""
         dps = range(self.layout.dp_size)
@@ -282,6 +305,8 @@ class BalanceController(MeasuringHook):
             "optimizer_s": optimizers,
             "work_gflop": [[w / 1e9 for w in ws] for ws in works],
             "speed": [self._speeds(dp) for dp in dps],
+            "units": units,
+            "phi": [e.phis() for e in self.estimators],
             "targets": [dataclasses.asdict(t) for t in self.targets],
             **{k: [f[k] for f in fractions] for k in ("dropped", "sent", "hosted")},
         }

@@ -1,23 +1,27 @@
 """How right the balancer's speed estimate is once work moves (issue 47), and what the plan it gives is worth.
 
-    python benchmarks/speed_estimate.py                         # rates 5, 8, 20 GFLOP/s, ~2 min on 2 cores
+    python benchmarks/speed_estimate.py                         # rates 5, 8, 100 GFLOP/s, ~2 min on 2 cores
     python benchmarks/speed_estimate.py --rates 5 --repeats 3
     python benchmarks/speed_estimate.py --checkout /tmp/before --name speed_estimate_before   # another commit
 
 The case of tests/distributed/test_balance_e2e.py: pretrain_vit.py at TP=2, `--balance.mode migrate`, TP rank 1
 a virtual device at 0.25 from step 6 to 24 of 36. A virtual device charges max(work / rate, real compute) /
 speed (megahet/runtime/devices.py), so the rate sets how far the host is from the emulated device: at 5 GFLOP/s
-this host (about 4.9 GFLOP/s of real ViT compute) is about as fast as the device, and every rank's time
-is the charge of its FLOPs; at 8 and 20 the host is slower than the rate, and every rank is slow at its real
-fixed work too (norms, launches, Python): what a slower CI machine does at rate 5.
+this host is faster than the device, and every rank's time is the charge of its FLOPs (plus about 10 ms
+of a fast rank's real work the charge does not cover); at 100 the host is slower than the rate, every rank
+is charged its real compute / speed, and a slow rank is slow at its real fixed work too (norms, launches,
+Python): what a slower CI machine did at rate 5 (issue 47).
 
 Per run, from the trace (`units`, `busy_s`, `speed`, `phi`) and the metrics file, in the migrated phase (from
 the step after the first plan change to the straggler's end): rank 1's estimated speed (median) and its
 error against 0.25; the share of its units it keeps; the balanced share, from each rank's own two measured
 points (its layer time at the even split while slow, and at the migrated plan: a line per rank, solved for
 equal times; independent of the estimator's pooled fit); the layer-time spread (max / min busy) and the
-compute spread (the console's compute_max_s / compute_min_s); E (balance_eff); the plan changes in the slow
-phase. `--checkout` runs another commit's pretrain_vit.py (e.g. a `git worktree` of the commit before) with
+compute spread (the console's compute_max_s / compute_min_s); the step time (median); E (balance_eff: the
+after run's is the affine model's, the before run's the proportional one's, so compare the step times);
+the plan changes in the slow phase. At rate 100 every rank is slow at its real fixed work (a tiny ViT's is
+most of it): a quarter-speed rank's fixed work alone can outlast its peer's whole step, and no share
+balances them (the balanced share is then below 0). `--checkout` runs another commit's pretrain_vit.py (e.g. a `git worktree` of the commit before) with
 the same arguments: the before / after of issue 47.
 
 Writes benchmarks/results/<name>.{md,json}.
@@ -34,12 +38,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RESULTS, save_results, torchrun  # noqa: E402
+from benchmarks.common import RESULTS, save_results, torchrun
 
 SLOW_FROM, SLOW_UNTIL, STEPS, SLOW = 6, 24, 36, 0.25
 COLUMNS = [
     "rate_gflops", "repeat", "speed_est", "speed_err", "kept_share", "balanced_share", "share_err",
-    "busy_spread", "compute_spread", "E", "slow_plan_changes",
+    "busy_spread", "compute_spread", "step_s", "E", "slow_plan_changes",
 ]  # fmt: skip
 
 
@@ -76,9 +80,11 @@ def summarize(out: Path, rate: float, repeat: int) -> dict:
     phase = range(moved + 1, SLOW_UNTIL)
     even = [statistics.median(trace[s]["busy_s"][0][r] for s in range(SLOW_FROM, moved)) for r in (0, 1)]
     migrated = [statistics.median(trace[s]["busy_s"][0][r] for s in phase) for r in (0, 1)]
-    units = [statistics.median(trace[s]["units"][0][r] for s in phase) for r in (0, 1)] if "units" in trace[
-        moved
-    ] else [1 + sent[SLOW_UNTIL - 1], 1 - sent[SLOW_UNTIL - 1]]
+    units = (
+        [statistics.median(trace[s]["units"][0][r] for s in phase) for r in (0, 1)]
+        if "units" in trace[moved]
+        else [1 + sent[SLOW_UNTIL - 1], 1 - sent[SLOW_UNTIL - 1]]
+    )
     speed = statistics.median(trace[s]["speed"][0][1] for s in phase)
     balanced = balanced_share(even, migrated, units)
     changes = [metrics[s]["plan_changes_max"] for s in (SLOW_FROM, SLOW_UNTIL - 1)]
@@ -90,10 +96,13 @@ def summarize(out: Path, rate: float, repeat: int) -> dict:
         "kept_share": units[1],
         "balanced_share": balanced,
         "share_err": units[1] - balanced,
-        "busy_spread": statistics.median(max(trace[s]["busy_s"][0]) / min(trace[s]["busy_s"][0]) for s in phase),
+        "busy_spread": statistics.median(
+            max(trace[s]["busy_s"][0]) / min(trace[s]["busy_s"][0]) for s in phase
+        ),
         "compute_spread": statistics.median(
             metrics[s]["compute_max_s"] / metrics[s]["compute_min_s"] for s in phase if s in metrics
         ),
+        "step_s": statistics.median(trace[s]["step_s"] for s in phase),
         "E": statistics.median(trace[s]["efficiency"][0] for s in phase),
         "slow_plan_changes": int(changes[1] - changes[0]),
     }
@@ -101,7 +110,7 @@ def summarize(out: Path, rate: float, repeat: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", type=float, nargs="+", default=[5.0, 8.0, 20.0])
+    parser.add_argument("--rates", type=float, nargs="+", default=[5.0, 8.0, 100.0])
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--checkout", type=Path, default=ROOT, help="the checkout whose pretrain_vit.py runs")
     parser.add_argument("--name", default="speed_estimate")

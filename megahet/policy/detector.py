@@ -25,18 +25,20 @@ balancer then moves still more. `AffineSpeedEstimator` models each rank's layer 
     t_r = c_r * (phi_r + u_r)        u_r: its work in units of U (the even split's), c_r: seconds per U,
                                      phi_r: its fixed work in units of U at its own speed
 
-and fits phi from the samples the balancer already has at different unit counts: each plan change
-gives every rank whose work changed a pair of (work, median time) before and after, and phi is the
-median of the group's recent pairs' solutions. One phi for the group: its ranks run the same layers, and
-a slower device or a co-tenant slows the fixed and the per-unit work alike (a rank's own phi would make
-ranks at the even split read apart whenever their pairs differ, and a virtual device slows only the
-units' FLOPs when its host is faster than its rate: megahet/runtime/devices.py). A rank's speed is
-1 / c_r, the median over the window of (phi + u_k) / t_k, which does not drift as work moves; the
-planner gets phi c_r as its fixed work.
+and fits phi_r from the samples the balancer already has at different unit counts: each plan change
+gives every rank whose work changed a pair of (work, median time) before and after, and phi_r is the
+median of its recent pairs' solutions. A pair holds while the rank runs at the speed it was measured at
+(within SPEED_CHANGE): a device that changed may have another fixed part (a virtual device slows only its
+units' FLOPs while its host is faster than its rate, and everything once it is slower:
+megahet/runtime/devices.py). A rank with no pair of its own takes the group's (its ranks run the same
+layers), and 0 before any pair (the proportional model). A rank's speed is 1 / c_r, the median over the
+window of (phi_r + u_k) / t_k, which does not drift as work moves; the planner gets phi_r c_r as its fixed
+work, so its healthy check compares whole layer times, whatever the phis.
 
     est = AffineSpeedEstimator(tp_size=2, window=3)
     est.update(units=[1.0, 1.0], time=[t0, t1])
-    est.speeds(), est.fixed()    # relative speeds, fixed work in units of the fastest rank's U-time
+    est.speeds()                 # relative speeds at the even split (the telemetry's)
+    est.unit_speeds(), est.fixed()   # the planner's: per-unit speeds, fixed work in the fastest's U-time
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ MIN_CHANGE = 0.1
 """A plan change that moved less than this (of U) on a rank gives it no pair: timing noise would dominate."""
 SAME_RUN = 0.01
 """Samples whose work differs by at most this fraction are one run of the same plan."""
+SPEED_CHANGE = 1.5
+"""A pair is dropped once its rank's cost per unit has moved by this factor since the pair was measured: the
+device changed (a co-tenant came or went, a virtual device crossed its rate), and its fixed work may have."""
 
 
 class MedianWindow:
@@ -120,8 +125,8 @@ class AffineTime:
 
     Samples come in runs of equal work (one plan each). When the work changes by at least MIN_CHANGE, the
     median times of the previous run and of the current one (refined as it grows) give a pair's
-    phi = (u0 t1 - u1 t0) / (t0 - t1); `phis` keeps the last `pairs` of them (the estimator takes the
-    group's median; none: phi 0, time proportional to work)."""
+    phi = (u0 t1 - u1 t0) / (t0 - t1); `pairs` keeps the last `pairs` of them with the cost per unit they
+    were measured at, `phi` is their median (None without one: the estimator then takes the group's)."""
 
     def __init__(self, window: int, pairs: int = 5):
         if window < 1:
@@ -133,9 +138,12 @@ class AffineTime:
         self.run_units: float | None = None
         self.previous: tuple[float, float] | None = None
         """(units, median time) of the run before this one."""
-        self.phis: collections.deque[float] = collections.deque(maxlen=pairs)
+        self.pairs: collections.deque[tuple[float, float]] = collections.deque(maxlen=pairs)
+        """(phi, seconds per unit when measured) of recent plan changes."""
         self.paired = False
-        """Whether `phis[-1]` is this run's pair (refined as the run grows)."""
+        """Whether `pairs[-1]` is this run's pair (refined as the run grows)."""
+        self.run_length = 0
+        """Samples in this run (`run` keeps the last `window`)."""
 
     def update(self, units: float, time: float) -> None:
         """One step's work in units of U and its time; a step that measured nothing (<= 0) is skipped."""
@@ -145,12 +153,16 @@ class AffineTime:
         if self.run_units is None or abs(units - self.run_units) > SAME_RUN * max(units, self.run_units):
             if self.run:
                 self.previous = (self.run_units, statistics.median(self.run))
-            self.run, self.run_units, self.paired = [], float(units), False
+            self.run, self.run_units, self.paired, self.run_length = [], float(units), False, 0
+        self.run_length += 1
         self.run = [*self.run[-(self.window - 1) :], float(time)] if self.window > 1 else [float(time)]
         self._pair()
+        self._forget_changed()
 
     def _pair(self) -> None:
-        if self.previous is None:
+        """Solve this run's pair, refined over its first `window` samples, then final (a later speed change
+        within the run must not rewrite it)."""
+        if self.previous is None or self.run_length > self.window:
             return
         (u0, t0), u1, t1 = self.previous, self.run_units, statistics.median(self.run)
         if abs(u1 - u0) < MIN_CHANGE:
@@ -158,15 +170,33 @@ class AffineTime:
         moved = (t0 - t1) * (u0 - u1)
         if moved < 0:  # the time moved against the work: the speed changed with the plan, no pair
             if self.paired:
-                self.phis.pop()
+                self.pairs.pop()
                 self.paired = False
             return
         phi = PHI_MAX if moved == 0 else min(max((u0 * t1 - u1 * t0) / (t0 - t1), 0.0), PHI_MAX)
+        pair = (phi, t1 / (phi + u1))
         if self.paired:
-            self.phis[-1] = phi
+            self.pairs[-1] = pair
         else:
-            self.phis.append(phi)
+            self.pairs.append(pair)
             self.paired = True
+
+    def _forget_changed(self) -> None:
+        """Drop the pairs measured at another speed than this rank's now."""
+        kept = [
+            (phi, c)
+            for phi, c in self.pairs
+            if max(c / self.per_unit(phi), self.per_unit(phi) / c) < SPEED_CHANGE
+        ]
+        if len(kept) != len(self.pairs):
+            self.paired = self.paired and bool(kept) and kept[-1] == self.pairs[-1]
+            self.pairs.clear()
+            self.pairs.extend(kept)
+
+    @property
+    def phi(self) -> float | None:
+        """Its own fixed work in units of U at its own speed: the median of its pairs (None: no pair)."""
+        return statistics.median(phi for phi, _ in self.pairs) if self.pairs else None
 
     @property
     def ready(self) -> bool:
@@ -182,24 +212,25 @@ class AffineTime:
             "run": list(self.run),
             "run_units": self.run_units,
             "previous": list(self.previous) if self.previous else None,
-            "phis": list(self.phis),
+            "pairs": [list(p) for p in self.pairs],
             "paired": self.paired,
+            "run_length": self.run_length,
         }
 
     def load_state_dict(self, state: dict | list) -> None:
         """A saved state; or, from checkpoints written before the affine model, the list of speed samples
         work / time (read as time 1 / speed for one unit: the same speeds with phi 0)."""
         self.samples.clear()
-        self.run, self.run_units, self.previous, self.paired = [], None, None, False
-        self.phis.clear()
+        self.run, self.run_units, self.previous, self.paired, self.run_length = [], None, None, False, 0
+        self.pairs.clear()
         if isinstance(state, list):
             self.samples.extend((1.0, 1.0 / s) for s in state if s > 0)
             return
         self.samples.extend(tuple(s) for s in state["samples"])
         self.run, self.run_units = list(state["run"]), state["run_units"]
         self.previous = tuple(state["previous"]) if state["previous"] else None
-        self.phis.extend(state["phis"])
-        self.paired = state["paired"]
+        self.pairs.extend(tuple(p) for p in state["pairs"])
+        self.paired, self.run_length = state["paired"], state["run_length"]
 
 
 class AffineSpeedEstimator:
@@ -220,36 +251,40 @@ class AffineSpeedEstimator:
     def ready(self) -> bool:
         return all(r.ready for r in self.ranks)
 
-    @property
-    def phi(self) -> float:
-        """The group's fixed layer work in units of U at a rank's own speed: the median of every rank's
-        recent pairs (0 before the first)."""
-        pairs = [p for r in self.ranks for p in r.phis]
-        return statistics.median(pairs) if pairs else 0.0
+    def phis(self) -> list[float]:
+        """Each rank's fixed layer work in units of U at its own speed: its pairs' median, else the group's
+        (the median of every rank's pairs), else 0."""
+        pairs = [phi for r in self.ranks for phi, _ in r.pairs]
+        group = statistics.median(pairs) if pairs else 0.0
+        return [group if r.phi is None else r.phi for r in self.ranks]
 
     def per_unit(self) -> list[float]:
         """Each rank's seconds per U."""
         if not self.ready:
             raise ValueError("no speed sample yet for some rank")
-        phi = self.phi
-        return [r.per_unit(phi) for r in self.ranks]
+        return [r.per_unit(phi) for r, phi in zip(self.ranks, self.phis())]
 
-    def speeds(self) -> list[float]:
-        """Each rank's speed (U per second), normalized to the fastest."""
+    def unit_speeds(self) -> list[float]:
+        """Each rank's speed at its units (U per second, 1 / c_r), normalized to the fastest: what the planner
+        divides the units it moves by (with `fixed()` beside it)."""
         per_unit = self.per_unit()
         quickest = min(per_unit)
         return [quickest / c for c in per_unit]
 
-    def phis(self) -> list[float]:
-        """phi per rank (the group's, for every rank)."""
-        return [self.phi] * len(self.ranks)
+    def speeds(self) -> list[float]:
+        """Each rank's speed at its whole layer work, fixed part included, normalized to the fastest: the
+        inverse of the time it would take for the even split, c_r (phi_r + 1), as the model predicts it (what
+        the telemetry shows: a device four times slower at everything reads 0.25, whatever its fixed part)."""
+        even = [c * (phi + 1.0) for c, phi in zip(self.per_unit(), self.phis())]
+        quickest = min(even)
+        return [quickest / t for t in even]
 
     def fixed(self) -> list[float]:
         """Each rank's fixed layer work in units of the time the fastest rank takes for U units (the
-        planner's `fixed`): phi c_r / min c."""
-        per_unit, phi = self.per_unit(), self.phi
+        planner's `fixed`): phi_r c_r / min c."""
+        per_unit = self.per_unit()
         quickest = min(per_unit)
-        return [phi * c / quickest for c in per_unit]
+        return [phi * c / quickest for phi, c in zip(self.phis(), per_unit)]
 
     def stragglers(self, threshold: float) -> list[int]:
         return [r for r, s in enumerate(self.speeds()) if s < 1.0 - threshold]

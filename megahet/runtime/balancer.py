@@ -224,7 +224,7 @@ class BalanceController(MeasuringHook):
 
     def _plan(self) -> None:
         """Plan on the estimated speeds and fixed work; hand changed targets to the ResizeController."""
-        new = self._targets([e.speeds() for e in self.estimators], self.fixed_work())
+        new = self._targets([e.unit_speeds() for e in self.estimators], self.fixed_work())
         if new != self.targets:
             self.targets = new
             self.changes += 1

@@ -39,10 +39,10 @@ def test_a_pair_of_plans_gives_the_fixed_work_and_the_true_speeds():
     for _ in range(3):
         est.update([1.0, 1.0], [_layer_time(1.0, 1.0), _layer_time(1.0, 4.0)])
     assert est.speeds() == pytest.approx([1.0, 0.25])  # even split: no pair needed
-    assert est.phi == 0.0
+    assert est.phis() == [0.0, 0.0]
     for _ in range(2):  # 0.6 of rank 1's units moved to rank 0
         est.update([1.6, 0.4], [_layer_time(1.6, 1.0), _layer_time(0.4, 4.0)])
-    assert est.phi == pytest.approx(FIXED)
+    assert est.phis() == pytest.approx([FIXED, FIXED])
     assert est.speeds() == pytest.approx([1.0, 0.25])
     # fixed work in units of the fastest rank's U-time: the slow rank's is 4x
     assert est.fixed() == pytest.approx([FIXED, 4 * FIXED])
@@ -73,7 +73,8 @@ def test_closed_loop_converges_to_the_balanced_plan_without_spiralling(mode, slo
             units = target.work(2) if target else [1.0, 1.0]
             estimator.update(units, [_layer_time(units[0], 1.0), _layer_time(units[1], slowdown)])
             fixed = estimator.fixed() if isinstance(estimator, AffineSpeedEstimator) else None
-            target = balance(estimator.speeds(), mode, target, tolerance=0.3, fixed=fixed)
+            speeds = estimator.unit_speeds() if fixed else estimator.speeds()
+            target = balance(speeds, mode, target, tolerance=0.3, fixed=fixed)
             history.append(target.work(2)[1])
         return history
 
@@ -93,7 +94,7 @@ def test_noisy_times_still_give_the_plan_within_a_few_percent():
         units = target.work(2) if target else [1.0, 1.0]
         noise = [rng.uniform(0.97, 1.03) for _ in range(2)]
         est.update(units, [_layer_time(units[0], 1.0) * noise[0], _layer_time(units[1], 4.0) * noise[1]])
-        target = balance(est.speeds(), "migrate", target, fixed=est.fixed())
+        target = balance(est.unit_speeds(), "migrate", target, fixed=est.fixed())
     assert est.speeds()[1] == pytest.approx(0.25, rel=0.1)
     assert target.work(2)[1] == pytest.approx(_balanced_share(4.0), abs=0.03)
 
@@ -113,9 +114,9 @@ def test_a_speed_change_at_a_plan_change_gives_no_pair():
         rank.update(1.0, 1.0)
     for _ in range(2):  # fewer units but slower: the time went up, against the work
         rank.update(0.5, 2.0)
-    assert list(rank.phis) == []
+    assert list(rank.pairs) == []
     rank.update(1.0, 4.0)  # back to 1 unit: a valid pair against the 0.5-unit run (t 2 -> 4)
-    assert list(rank.phis) == [pytest.approx(0.0)]
+    assert [phi for phi, _ in rank.pairs] == [pytest.approx(0.0)]
 
 
 def test_state_round_trips_and_old_speed_samples_load_as_the_same_speeds():
@@ -145,3 +146,28 @@ def test_units_of_work_and_efficiency_with_fixed_work():
         busy = [_layer_time(units[0], 1.0), _layer_time(units[1], 4.0)]
         assert compute_efficiency(units, busy, phi=[FIXED, FIXED]) == pytest.approx(expected)
     assert expected < 0.85
+
+
+def test_ranks_with_different_fixed_work_and_a_device_that_changes():
+    """A virtual device on a host faster than its rate is charged its FLOPs only (no fixed work) while its
+    peer runs really (fixed work 0.4): each rank's own pairs give its own phi, and both speeds are exact.
+    When the slow rank recovers it runs like its peer: its pairs, measured at another speed, are dropped,
+    and it takes the group's phi until a plan change gives it a new one."""
+    est = AffineSpeedEstimator(2, window=3)
+
+    def step(units, slowdown, peer_fixed=FIXED, own_fixed=0.0):
+        est.update(
+            units, [_layer_time(units[0], 1.0, peer_fixed), _layer_time(units[1], slowdown, own_fixed)]
+        )
+
+    for _ in range(3):
+        step([1.0, 1.0], 4.0)
+    for _ in range(3):
+        step([1.6, 0.4], 4.0)
+    assert est.phis() == pytest.approx([FIXED, 0.0])
+    assert est.unit_speeds() == pytest.approx([1.0, 0.25])  # per U: 0.1 s against 0.4 s
+    assert est.speeds() == pytest.approx([1.0, 0.35])  # the even split: 0.14 s against 0.4 s
+    for _ in range(3):  # recovered, same plan: runs like its peer now (fixed work 0.4, full speed)
+        step([1.6, 0.4], 1.0, own_fixed=FIXED)
+    assert est.phis() == pytest.approx([FIXED, FIXED])  # its own pair dropped: the group's phi
+    assert est.speeds() == pytest.approx([1.0, 1.0])

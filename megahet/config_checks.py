@@ -8,6 +8,7 @@ Role: configuration (validation, before any rank starts).
 
 from __future__ import annotations
 
+import math
 import os
 
 from megahet.config import ConfigError, MegahetConfig
@@ -107,9 +108,9 @@ def parse_doc_cost(text: str) -> tuple[float, float, float]:
         values = tuple(float(x) for x in text.split(","))
     except ValueError:
         values = ()
-    if len(values) != 3 or min(values) < 0 or values[0] + values[1] <= 0:
+    if len(values) != 3 or not all(math.isfinite(v) and v >= 0 for v in values) or values[0] + values[1] <= 0:
         raise ConfigError(
-            f"data.doc_cost {text!r} must be 'A,B,C': three numbers >= 0 (seconds per token^2, per token, per "
+            f"data.doc_cost {text!r} must be 'A,B,C': three finite numbers >= 0 (seconds per token^2, per token, per "
             f"micro-batch) with A + B > 0, e.g. 2e-9,1e-5,1e-3; or leave it unset to profile at start-up"
         )
     return values

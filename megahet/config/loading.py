@@ -25,9 +25,9 @@ def _section_fields(section: Any) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(section)}
 
 
-def _coerce(value: Any, annotation: Any, key: str) -> Any:
-    """Convert a YAML or CLI value to the field's declared type, or raise a ConfigError."""
-    hint = eval(annotation, vars(typing)) if isinstance(annotation, str) else annotation
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """Convert a YAML or CLI value to the field's declared type (resolved by `typing.get_type_hints`), or
+    raise a ConfigError."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType) and type(None) in args:
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
@@ -45,8 +45,11 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
                     raise ValueError
                 return value.lower() in ("true", "1", "yes")
             return bool(value)
-        if hint is int and isinstance(value, float) and not value.is_integer():
-            raise ValueError
+        if hint is int and isinstance(value, (str, float)):
+            number = float(value)  # '1e6' (how rope bases are written) is a whole number too
+            if not number.is_integer():
+                raise ValueError
+            return int(number)
         return hint(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{key} expects {hint.__name__}, got {value!r}") from None
@@ -64,7 +67,7 @@ def apply_overrides(cfg: MegahetConfig, overrides: dict[str, Any]) -> MegahetCon
         fields = _section_fields(section)
         if key not in fields:
             raise ConfigError(f"unknown config key {dotted!r}: {section_name} has {sorted(fields)}")
-        setattr(section, key, _coerce(value, fields[key].type, dotted))
+        setattr(section, key, _coerce(value, typing.get_type_hints(type(section))[key], dotted))
     return cfg
 
 

@@ -169,6 +169,16 @@ def test_int_coercion() -> None:
     assert cfg.train.seed == 7
 
 
+@pytest.mark.parametrize("text", ["1e6", "1000000", "1.0e6"])
+def test_int_from_a_whole_number_written_as_a_float(text: str) -> None:
+    """Issue 49: rope bases are written 1e6; a whole number in any form is an int, a fraction is refused."""
+    cfg = load_config(["--model.rotary_base", text])
+    assert cfg.model.rotary_base == 1_000_000 and type(cfg.model.rotary_base) is int
+    for bad in ("1.5", "1e-3", "nan", "inf"):
+        with pytest.raises(ConfigError, match=f"model.rotary_base expects int, got '{bad}'"):
+            load_config(["--model.rotary_base", bad])
+
+
 def test_int_from_integral_yaml_float(tmp_path: Path) -> None:
     cfg = load_config(["--config", _yaml(tmp_path, "model:\n  num_layers: 6.0\n")])
     assert cfg.model.num_layers == 6 and type(cfg.model.num_layers) is int

@@ -11,7 +11,7 @@ import pytest
 from one_line import one_line
 
 from megahet.config import ConfigError, MegahetConfig, apply_overrides, load_config
-from megahet.config_checks import validate
+from megahet.config_checks import parse_doc_cost, validate
 
 # --- validate() ----------------------------------------------------------------------------------
 
@@ -195,3 +195,13 @@ def test_unknown_architecture_values_are_config_errors() -> None:
     ]:
         with pytest.raises(ConfigError, match=key):
             _cfg(**{key: value})
+
+
+@pytest.mark.parametrize(
+    "text", ["nan,0,0", "inf,0,0", "1e-9,inf,0", "1e-9,1e-5,nan", "-1e-9,1e-5,0", "0,0,1"]
+)
+def test_doc_cost_must_be_finite_and_positive_before_ranks_start(text):
+    """Issue 49: nan and inf passed validation and failed after the ranks had started."""
+    with pytest.raises(ConfigError, match="data.doc_cost .* three finite numbers >= 0"):
+        parse_doc_cost(text)
+    assert parse_doc_cost("2e-9,1e-5,1e-3") == (2e-9, 1e-5, 1e-3)

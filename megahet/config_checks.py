@@ -65,6 +65,11 @@ def validate(cfg: MegahetConfig, world_size: int) -> int:
     if cfg.data.packing == "documents":
         _validate_packing(cfg, dp)
     else:
+        for key in ("max_tokens", "doc_cost", "replica_max_tokens"):
+            _require(
+                getattr(cfg.data, key) is None,
+                f"data.{key} applies to packed documents only: set data.packing=documents or leave it unset",
+            )
         _require(
             t.global_batch_size % (t.micro_batch_size * dp) == 0,
             f"train.global_batch_size {t.global_batch_size} is not a multiple of micro_batch_size * DP = "
@@ -209,7 +214,15 @@ def _validate_architecture(cfg: MegahetConfig) -> None:
             f"parallel.tp {p.tp} does not divide model.num_query_groups {groups}: each TP rank needs whole "
             f"key/value heads; use a TP size that divides {groups} or more query groups",
         )
-    if m.position_embedding_type == "rope":
+    if m.position_embedding_type != "rope":
+        defaults = type(m)()
+        for key in ("rotary_base", "rotary_interleaved"):
+            _require(
+                getattr(m, key) == getattr(defaults, key),
+                f"model.{key} applies to rotary positions only: set model.position_embedding_type=rope or "
+                f"leave it unset",
+            )
+    else:
         _require(m.rotary_base > 0, f"model.rotary_base must be positive, got {m.rotary_base}")
         head_dim = m.hidden_size // m.num_attention_heads
         _require(

@@ -172,6 +172,10 @@ def test_llama_options_validate() -> None:
         ({"model.num_query_groups": 0}, 1, ("model.num_query_groups", "positive")),
         ({"model.num_query_groups": 2, "parallel.tp": 4}, 4, ("parallel.tp 4", "model.num_query_groups 2")),
         ({"model.position_embedding_type": "rope", "model.rotary_base": 0}, 1, ("model.rotary_base",)),
+        ({"model.rotary_base": 500000}, 1, ("model.rotary_base applies to rotary positions only",)),
+        ({"model.rotary_interleaved": True}, 1, ("model.rotary_interleaved", "position_embedding_type=rope")),
+        ({"data.max_tokens": 64}, 1, ("data.max_tokens applies to packed documents only",)),
+        ({"data.doc_cost": "1e-9,1e-5,0"}, 1, ("data.doc_cost", "data.packing=documents")),
         (
             {
                 "model.position_embedding_type": "rope",

@@ -21,7 +21,7 @@ balancer's trace (`--balance.trace`, which every run writes).
 
 The physical limit: if rank i gets the fraction r_i of its core, the two cores do sum(r_i) / N of the
 work per second of two whole cores, so no plan beats the capacity ideal T_cap = T_homog x N / sum(r_i)
-(../shared/DESIGN.md). The homogeneous run's ranks do not get whole cores either (measured: about 0.91
+(docs/design.md, section 2). The homogeneous run's ranks do not get whole cores either (measured: about 0.91
 each, the rest going to the launcher and the machine's other processes), so its N becomes its own
 sum of shares: T_cap = T_homog x sum(r_homog) / sum(r_i).
 The gain captured of a run is (T_static / T - 1) / (T_static / T_cap - 1): 1 reaches the capacity

@@ -53,7 +53,10 @@ def test_tools_plan_lists_plans_and_writes_configs_that_validate(tmp_path, capsy
         assert cfg.model.num_layers == 8 and cfg.train.global_batch_size == 16
         assert "pretrain_gpt.py --config" in path.read_text()
     best = load_config(["--config", str(written[0])])
-    plans = plan_layouts(load_config(MODEL), read_cluster(cluster, "fp32"), VOCAB)
+    import pretrain_gpt  # importable once tools/plan.py is: the reference uses the vocabulary it plans with
+
+    vocab = pretrain_gpt.vocab_size(load_config(MODEL))
+    plans = plan_layouts(load_config(MODEL), read_cluster(cluster, "fp32"), vocab)
     assert (best.parallel.tp, best.parallel.pp) == (plans[0].tp, plans[0].pp)
     if not plans[0].shares.even:  # the slow node's replicas are declared slower
         speeds = [float(s) for s in best.hetero.speeds.split(",")]

@@ -140,8 +140,8 @@ def test_activation_memory_is_what_a_built_layer_keeps(world1, extra) -> None:
     """A layer's saved tensors (4 layers' minus 2 layers', per layer) against the count. CPU attention is
     the math kernel: it keeps the s x s probabilities, which flash attention does not, so they are taken
     off. GPT-2 shape: the rest is the count within 15 % (measured 0.88: CPU shares some of the inputs the
-    count lists apart). Llama shape: the count is a lower bound (measured 1.5x: on CPU RoPE and SwiGLU
-    keep copies, and the math kernel repeats the grouped K and V per head)."""
+    count lists apart). Llama shape: the count is a lower bound, and the rest is under half of it (measured
+    1.48x: on CPU RoPE and SwiGLU keep copies, and the math kernel repeats the grouped K and V per head)."""
     batch = 3
     off = {"model.hidden_dropout": 0.0, "model.attention_dropout": 0.0}
     two, four = (_saved_bytes(_cfg(**extra, **off, **{"model.num_layers": n}), batch) for n in (2, 4))
@@ -149,8 +149,8 @@ def test_activation_memory_is_what_a_built_layer_keeps(world1, extra) -> None:
     probabilities = 4 * batch * cfg.model.num_attention_heads * cfg.model.seq_length**2
     measured = (four - two) / 2 - probabilities
     counted = ModelShape.of(cfg.model, 1000, tp=1).layer_activation_bytes(batch, tp=1, precision="fp32")
-    if extra:
-        assert counted <= measured
+    if extra:  # from both sides (issue 49): the copies the count leaves out are under half of it
+        assert counted <= measured <= 1.5 * counted, measured / counted
     else:
         assert measured == pytest.approx(counted, rel=0.15)
 

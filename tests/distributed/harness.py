@@ -26,22 +26,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 import torch
+from machine import REQUIRE_ALL, skip_or_fail  # noqa: F401 (shared with the workers' tests)
 
 from benchmarks.contention import descendants
 from megahet.launch import deepspeed_cmd, free_port, launch_env, torchrun_cmd  # noqa: F401 (shared)
 
 HERE = Path(__file__).resolve().parent
-REQUIRE_ALL = "MEGAHET_REQUIRE_ALL"
-"""Set (to 1) by .ci/run: a test the machine cannot host fails instead of skipping, so CI cannot lose it."""
-
-
-def skip_or_fail(reason: str) -> None:
-    """Skip the test because the machine cannot host it; under MEGAHET_REQUIRE_ALL=1 (CI), fail."""
-    if os.environ.get(REQUIRE_ALL) == "1":
-        pytest.fail(f"{reason} ({REQUIRE_ALL}=1: CI must run this test, so it fails instead of skipping)")
-    pytest.skip(reason)
 
 
 REPO = HERE.parents[1]

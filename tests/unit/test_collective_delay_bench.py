@@ -5,6 +5,7 @@ two pinned gloo ranks."""
 from __future__ import annotations
 
 import pytest
+from machine import skip_or_fail
 
 from benchmarks.collective_delay import added, main, measure, summarize
 from benchmarks.contention import two_cores
@@ -36,8 +37,9 @@ def test_bad_arguments_are_one_line_errors(argv, message, monkeypatch):
         main(argv)
 
 
-@pytest.mark.skipif(two_cores() is None, reason="needs two cores to pin the ranks to")
 def test_two_pinned_ranks_time_their_products_and_iterations():
+    if two_cores() is None:
+        skip_or_fail("needs two cores to pin the ranks to")
     gathered = measure(iters=3, cores=two_cores(), contended=False, ffn=1024)
     assert len(gathered) == 2
     for products, iterations, share in gathered:
@@ -48,8 +50,9 @@ def test_two_pinned_ranks_time_their_products_and_iterations():
     assert row["idle_ms"] > 0  # an all-reduce is never free
 
 
-@pytest.mark.skipif(two_cores() is None, reason="needs two CPU cores")
 def test_a_rank_that_dies_stops_the_run_with_its_exit_code():
+    if two_cores() is None:
+        skip_or_fail("needs two CPU cores")
     # Rank 1 cannot pin itself to a core that does not exist: it exits, and rank 0, waiting for it at
     # the rendezvous, is stopped instead of waiting out the timeout.
     with pytest.raises(RuntimeError, match=r"a rank failed \(exit codes"):

@@ -27,11 +27,10 @@ balancer then moves still more. `AffineSpeedEstimator` models each rank's layer 
 
 and fits phi_r from the samples the balancer already has at different unit counts: each plan change
 gives every rank whose work changed a pair of (work, median time) before and after, and phi_r is the
-median of its recent pairs' solutions. A pair holds while the rank runs at the speed it was measured at
-(within SPEED_CHANGE): a device that changed may have another fixed part (a virtual device slows only its
-units' FLOPs while its host is faster than its rate, and everything once it is slower:
-megahet/runtime/devices.py). A rank with no pair of its own takes the group's (its ranks run the same
-layers), and 0 before any pair (the proportional model). A rank's speed is 1 / c_r, the median over the
+median of its recent pairs' solutions. A device slowed at everything (a co-tenant, an older generation)
+keeps its phi; a virtual device whose host is faster than its rate is charged its units' FLOPs only
+(megahet/runtime/devices.py): its pairs say 0, at any speed. A rank with no pair of its own takes the
+group's (its ranks run the same layers), and 0 before any pair (the proportional model). A rank's speed is 1 / c_r, the median over the
 window of (phi_r + u_k) / t_k, which does not drift as work moves; the planner gets phi_r c_r as its fixed
 work, so its healthy check compares whole layer times, whatever the phis.
 
@@ -55,9 +54,6 @@ MIN_CHANGE = 0.1
 """A plan change that moved less than this (of U) on a rank gives it no pair: timing noise would dominate."""
 SAME_RUN = 0.01
 """Samples whose work differs by at most this fraction are one run of the same plan."""
-SPEED_CHANGE = 1.5
-"""A pair is dropped once its rank's cost per unit has moved by this factor since the pair was measured: the
-device changed (a co-tenant came or went, a virtual device crossed its rate), and its fixed work may have."""
 
 
 class MedianWindow:
@@ -157,7 +153,6 @@ class AffineTime:
         self.run_length += 1
         self.run = [*self.run[-(self.window - 1) :], float(time)] if self.window > 1 else [float(time)]
         self._pair()
-        self._forget_changed()
 
     def _pair(self) -> None:
         """Solve this run's pair, refined over its first `window` samples, then final (a later speed change
@@ -180,18 +175,6 @@ class AffineTime:
         else:
             self.pairs.append(pair)
             self.paired = True
-
-    def _forget_changed(self) -> None:
-        """Drop the pairs measured at another speed than this rank's now."""
-        kept = [
-            (phi, c)
-            for phi, c in self.pairs
-            if max(c / self.per_unit(phi), self.per_unit(phi) / c) < SPEED_CHANGE
-        ]
-        if len(kept) != len(self.pairs):
-            self.paired = self.paired and bool(kept) and kept[-1] == self.pairs[-1]
-            self.pairs.clear()
-            self.pairs.extend(kept)
 
     @property
     def phi(self) -> float | None:

@@ -8,9 +8,10 @@ On `--slow-rank`, a step pre-hook on the torch optimizer (the one DeepSpeed's Ze
 this rank's partition) multiplies two 256 x 256 matrices `--matmuls` times before every optimizer step:
 real compute inside `engine.step()`, which megahet times as the rank's fixed work. Each job (in order,
 regrouping the same processes) is one `pretrain()` with the common overrides plus its own; its
---logging.metrics_file is DIR/<name>.jsonl (the logging rank writes it), and global rank 0 writes the
+--logging.metrics_file is DIR/<name>.jsonl (the logging rank writes it), global rank 0 writes the
 wall time of every step, from one step's start to the next one's (logging included), to
-DIR/<name>_wall.json.
+DIR/<name>_wall.json, and the slow rank the mean seconds its extra work took per step to
+DIR/<name>_extra.json.
 """
 
 from __future__ import annotations
@@ -34,13 +35,16 @@ from megahet.training import pretrain
 
 
 class SlowOptimizerStep(StepHook):
-    """Registers, once, a pre-hook on the torch optimizer that does `matmuls` real matrix products."""
+    """Registers, once, a pre-hook on the torch optimizer that does `matmuls` real matrix products; writes
+    the mean wall seconds they took per training step to `path` (JSON) at the end of training."""
 
-    def __init__(self, matmuls: int):
-        self.matmuls, self.registered = matmuls, False
+    def __init__(self, matmuls: int, path: Path):
+        self.matmuls, self.registered, self.path = matmuls, False, path
         self.a = torch.randn(256, 256)
+        self.seconds: list[float] = []
 
     def before_step(self, engine) -> None:
+        self.seconds.append(0.0)  # this step's products (ZeRO may step the torch optimizer more than once)
         if self.registered:
             return
         optimizer = engine.optimizer
@@ -49,9 +53,13 @@ class SlowOptimizerStep(StepHook):
         self.registered = True
 
     def _work(self) -> None:
-        x = self.a
+        start, x = time.perf_counter(), self.a
         for _ in range(self.matmuls):
             x = torch.tanh(x @ self.a)
+        self.seconds[-1] += time.perf_counter() - start
+
+    def close(self, final: bool = True) -> None:
+        self.path.write_text(json.dumps(sum(self.seconds) / max(len(self.seconds), 1)))
 
 
 class StepWallClock(StepHook):
@@ -78,7 +86,8 @@ def main(argv: list[str]) -> None:
             ps.destroy_model_parallel()
         cfg = load_config([*overrides, "--logging.metrics_file", str(args.out / f"{name}.jsonl")])
         rank = int(os.environ["RANK"])  # torchrun's global rank
-        hooks = [SlowOptimizerStep(args.matmuls)] if rank == args.slow_rank else []
+        slow = SlowOptimizerStep(args.matmuls, args.out / f"{name}_extra.json")
+        hooks = [slow] if rank == args.slow_rank else []
         hooks += [StepWallClock(args.out / f"{name}_wall.json")] if rank == 0 else []
         pretrain(cfg, pretrain_gpt.SPEC, extra_hooks=hooks)
     dist.barrier()

@@ -21,16 +21,19 @@ import shutil
 import signal
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from machine import REQUIRE_ALL, skip_or_fail  # noqa: F401 (shared with the workers' tests)
 
 from benchmarks.contention import descendants
 from megahet.launch import deepspeed_cmd, free_port, launch_env, torchrun_cmd  # noqa: F401 (shared)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/machine.py, also in the workers
+from machine import REQUIRE_ALL, skip_or_fail  # noqa: F401 (shared with the unit tests)
 
 HERE = Path(__file__).resolve().parent
 

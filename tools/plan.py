@@ -28,13 +28,18 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # pretrain_gpt.py: the tokenizer's vocabulary
 
-from megahet.config import ConfigError, load_config
+from megahet.config import ConfigError, config_help, load_config
 from megahet.layout_plan import plan_layouts, plan_overrides_yaml, plan_table, read_plan_cluster
 from megahet.policy.layout_search import pareto
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="every setting of pretrain_gpt.py (the model, training and plan.* keys):\n\n"
+        + config_help().split("\n", 2)[2],  # its own usage line is pretrain_gpt.py's
+    )
     parser.add_argument("--top", type=int, default=10, help="how many of the fastest plans to list")
     parser.add_argument("--out", type=Path, help="write each listed plan as OUT/plan_NN.yaml")
     args, rest = parser.parse_known_args(argv)

@@ -63,6 +63,26 @@ def test_tools_plan_lists_plans_and_writes_configs_that_validate(tmp_path, capsy
         assert best.hetero.dp_shares == "declared" and min(speeds) < 1 == max(speeds)
 
 
+def test_tools_plan_help_lists_every_option(capsys) -> None:
+    """Issue 49: --help listed only --top and --out, and cut its description mid-sentence."""
+    from plan import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "the fastest plans that fit, with predicted step time and memory,\nthe Pareto set" in out
+    for option in (
+        "--top",
+        "--out",
+        "--plan.cluster",
+        "--plan.micro_batches",
+        "--plan.profile",
+        "--model.num_layers",
+    ):
+        assert option in out, option
+
+
 @pytest.mark.parametrize(
     "argv, needle",
     [

@@ -139,14 +139,15 @@ def plan_layouts(
 
 
 def plan_table(plans: list[Plan], top: int = 10) -> str:
-    """The fastest `top` plans and the Pareto set (memory against time), one line each."""
+    """The fastest `top` plans and the Pareto set (memory against time), one line each; the memory columns
+    are the fullest GPU's (its predicted GiB, its fraction of what it may use, and which GPU it is)."""
     front = {id(p) for p in pareto(plans)}
     shown = plans[:top] + [p for p in plans[top:] if id(p) in front]
     width = max([34, *(len(p.layout) for p in shown)])
     lines = [
         (
             f"{'#':>3}  {'layout':<{width}} {'micro':>5} {'ZeRO':>4}  {'step s':>9} {'vs best':>7} "
-            f"{'peak GiB':>8} {'of GPU':>6}  pareto  launch order"
+            f"{'peak GiB':>8} {'of GPU':>6}  pareto  launch order  fullest GPU"
         )
     ]
     best = plans[0].step_s if plans else 0.0
@@ -155,7 +156,7 @@ def plan_table(plans: list[Plan], top: int = 10) -> str:
             f"{plans.index(plan) + 1:>3}  {plan.layout:<{width}} {plan.micro_batch:>5} {plan.zero_stage:>4}  "
             f"{plan.step_s:>9.4g} {plan.step_s / best:>6.2f}x {plan.peak_gib:>8.2f} "
             f"{plan.memory_fraction:>6.0%}  {'*' if id(plan) in front else ' ':^6}  "
-            f"{','.join(map(str, plan.node_order))}"
+            f"{','.join(map(str, plan.node_order)):<12}  {plan.fullest}"
         )
     return "\n".join(lines)
 

@@ -80,9 +80,12 @@ class Plan:
     memory_fraction: float
     """The fullest GPU's predicted memory over what it may use (<= 1)."""
     peak_gib: float
-    """The largest predicted memory of any GPU."""
+    """The fullest GPU's predicted memory (the one of `memory_fraction`: on a mixed cluster not always the
+    largest in bytes)."""
     rank_speeds: tuple[float, ...]
     """Per global rank, its replica's modeled pace (relative): what `hetero.speeds` declares."""
+    fullest: str = ""
+    """The fullest GPU: its node's name and global rank, e.g. 'a100-0 rank 3'."""
 
     def overrides(self) -> dict[str, str]:
         """The `--section.key value` settings that run this plan (with the launch order of its nodes)."""
@@ -181,7 +184,7 @@ def evaluate(
     shares = dp_shares(paces, microbatches)
     replica_s = max(one_f_one_b_seconds(times, n) for times, n in zip(stage_s, shares))
     sync_s = max(_gradient_sync(placed, shape, cells, split, tp, pp, dp, s, setting) for s in range(pp))
-    fraction, peak = 0.0, 0
+    fraction, peak, fullest = 0.0, 0, ""
     for (d, s), ranks in cells.items():
         used = rank_memory_bytes(
             shape, tp=tp, layers=split[s], first=s == 0, last=s == pp - 1, pp=pp, dp=dp,
@@ -189,8 +192,10 @@ def evaluate(
             precision=setting.precision,
         )  # fmt: skip
         for r in ranks:
-            capacity = placed.nodes[placed.node_of(r)].memory_gib * GIB * (1 - setting.memory_reserve)
-            fraction, peak = max(fraction, used / capacity), max(peak, used)
+            node = placed.nodes[placed.node_of(r)]
+            capacity = node.memory_gib * GIB * (1 - setting.memory_reserve)
+            if used / capacity > fraction:
+                fraction, peak, fullest = used / capacity, used, f"{node.name} rank {r}"
     if fraction > 1:
         return None
     fastest = max(paces)
@@ -202,7 +207,7 @@ def evaluate(
         tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, zero_stage=zero_stage, node_order=node_order,
         split=split, shares=shares, step_s=replica_s + sync_s + (cal.step_s if cal is not None else 0.0),
         memory_fraction=fraction,
-        peak_gib=peak / GIB, rank_speeds=tuple(speeds),
+        peak_gib=peak / GIB, rank_speeds=tuple(speeds), fullest=fullest,
     )  # fmt: skip
 
 
@@ -267,7 +272,7 @@ def search(
     unique: dict[tuple, Plan] = {}
     for plan in sorted(plans, key=lambda p: (p.step_s, p.peak_gib)):
         same = (plan.tp, plan.pp, plan.micro_batch, plan.zero_stage, plan.split, tuple(sorted(plan.shares)),
-                round(plan.step_s, 9), round(plan.peak_gib, 6))  # fmt: skip
+                round(plan.step_s, 9), round(plan.memory_fraction, 6))  # fmt: skip
         unique.setdefault(same, plan)  # launch orders that only permute replicas: the first one
     return list(unique.values())
 

@@ -47,7 +47,7 @@ def test_the_planners_worked_example_ranks_as_the_docs_show():
     cfg = load_config(["--config", model, "--plan.cluster", cluster])
     plans = plan_layouts(cfg, read_plan_cluster(cfg), vocab_size=cfg.data.vocab_size)
     best = plans[0]
-    assert (len(plans), best.layout, best.shares) == (59, "TP 4 x PP 1 x DP 16", (18,) * 8 + (14,) * 8)
+    assert (len(plans), best.layout, best.shares) == (64, "TP 4 x PP 1 x DP 16", (18,) * 8 + (14,) * 8)
     assert validate(with_plan(cfg, best), 64) == 16
     docs = (EXAMPLES.parent / "docs" / "planning.md").read_text()
     for line in plan_table(plans, top=5).splitlines():  # the table `tools/plan.py --top 5` prints

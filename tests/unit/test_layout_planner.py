@@ -23,6 +23,7 @@ from one_line import one_line
 
 from megahet.compat.deepspeed_zero import FP32_PARTITIONS
 from megahet.config import MegahetConfig, apply_overrides
+from megahet.layout_plan import plan_table
 from megahet.policy.cluster import Cluster, Node, parse_cluster, read_cluster
 from megahet.policy.gpu_kinds import GPU_KINDS
 from megahet.policy.layout_cost import STATE_BYTES, ModelShape, one_f_one_b_seconds, rank_memory_bytes
@@ -252,6 +253,24 @@ def test_plans_that_do_not_fit_in_memory_are_left_out() -> None:
     assert 0 < len(tight) < len(roomy)
     assert all(p.peak_gib <= tight_gib * (1 - SETTING.memory_reserve) for p in tight)
     assert search(_cluster([1.0, 1.0], memory_gib=1e-4), _shape_for, SETTING) == []
+
+
+def test_the_memory_columns_are_one_gpus_the_fullest() -> None:
+    """Issue 49: on a mixed cluster the peak GiB (the largest bytes, on a large GPU) and the fraction (of a
+    small GPU) came from different GPUs. Now both are the fullest GPU's, and the plan names it."""
+    cluster = Cluster((Node("big", 2, 40.0, 1.0, 10.0, 1.0), Node("small", 2, 1.0, 0.5, 10.0, 1.0)))
+    plans = search(cluster, _shape_for, SETTING)
+    assert plans
+    memory = {node.name: node.memory_gib for node in cluster.nodes}
+    for p in plans:
+        name, _, rank = p.fullest.split()
+        capacity = memory[name] * (1 - SETTING.memory_reserve)
+        assert p.peak_gib / capacity == pytest.approx(p.memory_fraction), p
+        assert 0 <= int(rank) < cluster.world_size
+    # the small GPUs are the fullest in every plan here (a fortieth of the memory, half the work at most)
+    assert all(p.fullest.startswith("small") for p in plans)
+    table = plan_table(plans, top=3)
+    assert "fullest GPU" in table.splitlines()[0] and "small rank" in table.splitlines()[1]
 
 
 def test_the_pareto_set_is_brute_forces() -> None:

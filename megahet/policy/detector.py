@@ -30,9 +30,10 @@ gives every rank whose work changed a pair of (work, median time) before and aft
 median of its recent pairs' solutions. A device slowed at everything (a co-tenant, an older generation)
 keeps its phi; a virtual device whose host is faster than its rate is charged its units' FLOPs only
 (megahet/runtime/devices.py): its pairs say 0, at any speed. A rank with no pair of its own takes the
-group's (its ranks run the same layers), and 0 before any pair (the proportional model). A rank's speed is 1 / c_r, the median over the
-window of (phi_r + u_k) / t_k, which does not drift as work moves; the planner gets phi_r c_r as its fixed
-work, so its healthy check compares whole layer times, whatever the phis.
+group's (its ranks run the same layers), and 0 before any pair (the proportional model). c_r is the
+median over the window of t_k / (phi_r + u_k), which does not drift as work moves. The planner gets the
+per-unit speeds 1 / c_r and phi_r c_r as fixed work, so its healthy check compares whole layer times; the
+telemetry shows the speed at the even split, 1 / (c_r (phi_r + 1)).
 
     est = AffineSpeedEstimator(tp_size=2, window=3)
     est.update(units=[1.0, 1.0], time=[t0, t1])
@@ -121,8 +122,8 @@ class AffineTime:
 
     Samples come in runs of equal work (one plan each). When the work changes by at least MIN_CHANGE, the
     median times of the previous run and of the current one (refined as it grows) give a pair's
-    phi = (u0 t1 - u1 t0) / (t0 - t1); `pairs` keeps the last `pairs` of them with the cost per unit they
-    were measured at, `phi` is their median (None without one: the estimator then takes the group's)."""
+    phi = (u0 t1 - u1 t0) / (t0 - t1); `pairs` keeps the last `pairs` of them, `phi` is their median (None
+    without one: the estimator then takes the group's)."""
 
     def __init__(self, window: int, pairs: int = 5):
         if window < 1:
@@ -134,8 +135,8 @@ class AffineTime:
         self.run_units: float | None = None
         self.previous: tuple[float, float] | None = None
         """(units, median time) of the run before this one."""
-        self.pairs: collections.deque[tuple[float, float]] = collections.deque(maxlen=pairs)
-        """(phi, seconds per unit when measured) of recent plan changes."""
+        self.pairs: collections.deque[float] = collections.deque(maxlen=pairs)
+        """phi of recent plan changes."""
         self.paired = False
         """Whether `pairs[-1]` is this run's pair (refined as the run grows)."""
         self.run_length = 0
@@ -169,17 +170,16 @@ class AffineTime:
                 self.paired = False
             return
         phi = PHI_MAX if moved == 0 else min(max((u0 * t1 - u1 * t0) / (t0 - t1), 0.0), PHI_MAX)
-        pair = (phi, t1 / (phi + u1))
         if self.paired:
-            self.pairs[-1] = pair
+            self.pairs[-1] = phi
         else:
-            self.pairs.append(pair)
+            self.pairs.append(phi)
             self.paired = True
 
     @property
     def phi(self) -> float | None:
         """Its own fixed work in units of U at its own speed: the median of its pairs (None: no pair)."""
-        return statistics.median(phi for phi, _ in self.pairs) if self.pairs else None
+        return statistics.median(self.pairs) if self.pairs else None
 
     @property
     def ready(self) -> bool:
@@ -195,7 +195,7 @@ class AffineTime:
             "run": list(self.run),
             "run_units": self.run_units,
             "previous": list(self.previous) if self.previous else None,
-            "pairs": [list(p) for p in self.pairs],
+            "pairs": list(self.pairs),
             "paired": self.paired,
             "run_length": self.run_length,
         }
@@ -212,7 +212,7 @@ class AffineTime:
         self.samples.extend(tuple(s) for s in state["samples"])
         self.run, self.run_units = list(state["run"]), state["run_units"]
         self.previous = tuple(state["previous"]) if state["previous"] else None
-        self.pairs.extend(tuple(p) for p in state["pairs"])
+        self.pairs.extend(state["pairs"])
         self.paired, self.run_length = state["paired"], state["run_length"]
 
 
@@ -237,7 +237,7 @@ class AffineSpeedEstimator:
     def phis(self) -> list[float]:
         """Each rank's fixed layer work in units of U at its own speed: its pairs' median, else the group's
         (the median of every rank's pairs), else 0."""
-        pairs = [phi for r in self.ranks for phi, _ in r.pairs]
+        pairs = [phi for r in self.ranks for phi in r.pairs]
         group = statistics.median(pairs) if pairs else 0.0
         return [group if r.phi is None else r.phi for r in self.ranks]
 

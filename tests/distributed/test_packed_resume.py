@@ -71,7 +71,11 @@ def test_packed_resume_continues_with_the_same_documents(runs: Path) -> None:
     assert all(
         last[f"{k}_dp{r}"] > 0 for k in ("pred_s", "meas_s", "sum_sq", "micro_batches") for r in (0, 1)
     )
-    assert 0 <= last["cost_mape"] < 10 and last["cost_a"] + last["cost_b"] > 0
+    # cost_mape is a fraction (0.1 = 10 %). This run is short, its replicas share 2 cores and one is emulated
+    # at half speed: measured 0.28 on a quiet host (benchmarks/varlen_cost_fit.py: 2.2 % on its own runs);
+    # a model that does not fit (a wrong sign, a lost term) is off by far more than 0.6
+    print(f"cost model error on unseen steps: {last['cost_mape']:.3f}")
+    assert 0 <= last["cost_mape"] < 0.6 and last["cost_a"] + last["cost_b"] > 0
     for key in ("loss", "grad_norm", "lr"):
         actual = torch.tensor([resumed[s][key] for s in steps], dtype=torch.float64)
         expected = torch.tensor([full[s][key] for s in steps], dtype=torch.float64)

@@ -241,11 +241,16 @@ class AffineSpeedEstimator:
         group = statistics.median(pairs) if pairs else 0.0
         return [group if r.phi is None else r.phi for r in self.ranks]
 
-    def per_unit(self) -> list[float]:
-        """Each rank's seconds per U."""
+    def fit(self) -> tuple[list[float], list[float]]:
+        """Each rank's (seconds per U, phi)."""
         if not self.ready:
             raise ValueError("no speed sample yet for some rank")
-        return [r.per_unit(phi) for r, phi in zip(self.ranks, self.phis())]
+        phis = self.phis()
+        return [r.per_unit(phi) for r, phi in zip(self.ranks, phis)], phis
+
+    def per_unit(self) -> list[float]:
+        """Each rank's seconds per U."""
+        return self.fit()[0]
 
     def unit_speeds(self) -> list[float]:
         """Each rank's speed at its units (U per second, 1 / c_r), normalized to the fastest: what the planner
@@ -258,16 +263,16 @@ class AffineSpeedEstimator:
         """Each rank's speed at its whole layer work, fixed part included, normalized to the fastest: the
         inverse of the time it would take for the even split, c_r (phi_r + 1), as the model predicts it (what
         the telemetry shows: a device four times slower at everything reads 0.25, whatever its fixed part)."""
-        even = [c * (phi + 1.0) for c, phi in zip(self.per_unit(), self.phis())]
+        even = [c * (phi + 1.0) for c, phi in zip(*self.fit())]
         quickest = min(even)
         return [quickest / t for t in even]
 
     def fixed(self) -> list[float]:
         """Each rank's fixed layer work in units of the time the fastest rank takes for U units (the
         planner's `fixed`): phi_r c_r / min c."""
-        per_unit = self.per_unit()
+        per_unit, phis = self.fit()
         quickest = min(per_unit)
-        return [phi * c / quickest for phi, c in zip(self.phis(), per_unit)]
+        return [phi * c / quickest for phi, c in zip(phis, per_unit)]
 
     def stragglers(self, threshold: float) -> list[int]:
         return [r for r, s in enumerate(self.speeds()) if s < 1.0 - threshold]

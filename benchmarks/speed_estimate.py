@@ -3,14 +3,17 @@
     python benchmarks/speed_estimate.py                         # rates 5, 8, 100 GFLOP/s, ~2 min on 2 cores
     python benchmarks/speed_estimate.py --rates 5 --repeats 3
     python benchmarks/speed_estimate.py --checkout /tmp/before --name speed_estimate_before   # another commit
+    python benchmarks/speed_estimate.py --busy --name speed_estimate_busy   # a busy process on each core
 
 The case of tests/distributed/test_balance_e2e.py: pretrain_vit.py at TP=2, `--balance.mode migrate`, TP rank 1
-a virtual device at 0.25 from step 6 to 24 of 36. A virtual device charges max(work / rate, real compute) /
-speed (megahet/runtime/devices.py), so the rate sets how far the host is from the emulated device: at 5 GFLOP/s
-this host is faster than the device, and every rank's time is the charge of its FLOPs (plus about 10 ms
-of a fast rank's real work the charge does not cover); at 100 the host is slower than the rate, every rank
-is charged its real compute / speed, and a slow rank is slow at its real fixed work too (norms, launches,
-Python): what a slower CI machine did at rate 5 (issue 47).
+a virtual device at 0.25 from step 6 to 24 of 36. A virtual device charges work / (rate x speed) and its
+real compute runs inside that charge (megahet/runtime/devices.py). At 5 and 8 GFLOP/s this host is faster
+than the device; at 40 and 100 it is not: a rank's real compute outruns its charge (`device_overrun_s`),
+it runs at the host's speed, and the emulated ratio shrinks (the device warns). Before issue 47 the
+charge was max(work / rate, real) / speed, which switched to real / speed, and so read as a slower device,
+wherever a rank's real fixed work outgrew its units' work / rate: after giving units away, on a busy
+host, or with the cold caches its own sleeps leave. `--busy` runs every case with a busy process pinned
+to each core (`taskset`), the load of issue 47's slow-host runs.
 
 Per run, from the trace (`units`, `busy_s`, `speed`, `phi`) and the metrics file, in the migrated phase (from
 the step after the first plan change to the straggler's end): rank 1's estimated speed (median) and its
@@ -30,7 +33,9 @@ Writes benchmarks/results/<name>.{md,json}.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -39,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import RESULTS, save_results, torchrun
+from benchmarks.contention import competing_process
 
 SLOW_FROM, SLOW_UNTIL, STEPS, SLOW = 6, 24, 36, 0.25
 COLUMNS = [
@@ -114,20 +120,39 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--checkout", type=Path, default=ROOT, help="the checkout whose pretrain_vit.py runs")
     parser.add_argument("--name", default="speed_estimate")
+    parser.add_argument(
+        "--busy", action="store_true", help="a busy process pinned to each core during the runs"
+    )
     args = parser.parse_args(argv)
     script = args.checkout.resolve() / "pretrain_vit.py"
     if not script.is_file():
         raise SystemExit(f"--checkout {args.checkout}: no pretrain_vit.py there (give a checkout of megahet)")
     if args.repeats < 1 or any(r <= 0 for r in args.rates):
         raise SystemExit("--repeats must be >= 1 and every --rates value > 0")
+    load = contextlib.ExitStack()
+    if args.busy:
+        for core in sorted(os.sched_getaffinity(0)):
+            load.enter_context(competing_process(core))
+    with load:
+        rows = runs(args, script)
+    save_results(args.name, rows, COLUMNS, {"checkout": str(args.checkout), "slow": SLOW, "steps": STEPS,
+                                            "busy": args.busy})  # fmt: skip
+
+
+def runs(args: argparse.Namespace, script: Path) -> list[dict]:
     rows = []
     for repeat in range(args.repeats):
         for rate in args.rates:
             out = RESULTS / f"{args.name}_runs" / f"rate{rate:g}_{repeat}"
             out.mkdir(parents=True, exist_ok=True)
+            for old in (
+                "metrics.jsonl",
+                "trace.jsonl",
+            ):  # pretrain appends: a rerun must not read the last one
+                (out / old).unlink(missing_ok=True)
             torchrun(str(script), 2, run_args(out, rate), out / "log.txt")
             rows.append(summarize(out, rate, repeat))
-    save_results(args.name, rows, COLUMNS, {"checkout": str(args.checkout), "slow": SLOW, "steps": STEPS})
+    return rows
 
 
 if __name__ == "__main__":

@@ -239,7 +239,8 @@ class DeviceConfig(_Section):
     contention:SLOWDOWN,PERIOD[,SEED], or a YAML/JSON file; static and schedule may instead list one speed
     per global rank (a slow replica or node). None: the real devices as they are."""
     rate_gflops: float = 20.0
-    """Nominal speed of a virtual device (speed 1) in GFLOP/s; keep it below the real rank's speed."""
+    """Nominal speed of a virtual device (speed 1) in GFLOP/s; keep it below the real rank's speed (a
+    step's real compute must fit in its charge, FLOPs / (rate x speed): `device_overrun_s` says when not)."""
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -28,8 +28,8 @@ balancer then moves still more. `AffineSpeedEstimator` models each rank's layer 
 and fits phi_r from the samples the balancer already has at different unit counts: each plan change
 gives every rank whose work changed a pair of (work, median time) before and after, and phi_r is the
 median of its recent pairs' solutions. A device slowed at everything (a co-tenant, an older generation)
-keeps its phi; a virtual device whose host is faster than its rate is charged its units' FLOPs only
-(megahet/runtime/devices.py): its pairs say 0, at any speed. A rank with no pair of its own takes the
+keeps its phi; a virtual device is charged its units' FLOPs only (megahet/runtime/devices.py): while its
+real compute fits in that charge its pairs say 0, at any speed. A rank with no pair of its own takes the
 group's (its ranks run the same layers), and 0 before any pair (the proportional model). c_r is the
 median over the window of t_k / (phi_r + u_k), which does not drift as work moves. The planner gets the
 per-unit speeds 1 / c_r and phi_r c_r as fixed work, so its healthy check compares whole layer times; the

@@ -3,13 +3,22 @@
 Role: runtime (emulation: a virtual device slows its rank; the balancer never reads it).
 
 Real mixed clusters are not available here, so each rank can run on a *virtual device* whose speed
-s(t) comes from a profile. The work the rank actually executes (the FLOPs of the units it computed,
-migrated-in units included, from the resizable layers' counters; backward = 2 x forward) is charged
-`work / (rate x s(t))`, and just before every collective of a compute region (megahet/runtime/timing.py) the
-device sleeps what the step's charge so far owes beyond the charged work's real compute and the time
-already slept. Accounting over the step keeps a busy machine out of the emulated speed: a sleep that
-wakes late is taken off the next ones, and where the host runs the charged work slower than `rate` the
-charge is the real compute / speed, so the speed ratios hold whatever the host's load.
+s(t) comes from a profile. A virtual device computes the FLOPs its rank executes at `rate x s`:
+
+    charge = work / (rate x s)      work: the FLOPs of the units it computed, migrated-in units included
+                                    (from the resizable layers' counters; backward = 2 x forward)
+
+and just before every collective of a compute region (megahet/runtime/timing.py) the device sleeps what the
+step's charge so far owes beyond the real compute it took and the time already slept (a sleep that wakes
+late is taken off the next ones). The rank's real compute (its fixed work too: norms, residual adds,
+launches) runs inside that charge. The charge is the work's alone, proportional to it and blind to the
+host: a rank at speed s takes 1 / s times a speed-1 rank's time for the same work at any split and on a
+busy host, as long as each rank's real compute fits in its charge (the host is faster than the rate).
+Where it does not (`overrun_s` > 0: a rate too high for the host, more ranks than cores, heavy other
+load) the rank runs at the host's speed instead, the ratios shrink, and the device warns once to lower
+`--device.rate_gflops`. (A charge of max(work / rate, real) / s, before issue 47, switched to real / s
+wherever a rank that gave units away, or a busy host, or the cold caches after its own sleeps made its
+real fixed work exceed its units' work / rate: that switch read as a slower device and moved still more.)
 So the delay sits inside the rank's compute, before the collective that ends the block, and its TP
 peers wait in that collective exactly as they do behind a really slow GPU. Resizing and migration
 change the delay because they change the work. Nothing reads the profile or the charge to balance:
@@ -34,6 +43,7 @@ global rank, over the whole mesh (a slow replica, a slow node):
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -44,10 +54,13 @@ from megahet.runtime.hooks import StepHook
 from megahet.runtime.timing import CommClock
 from megahet.tensor_parallel.blocks import find_blocks
 
+OVERRUN_WARN = 0.1
+"""A step whose real compute exceeds its charge by more than this fraction of it warns: the rate is too high."""
+
 
 class VirtualDevice:
-    """Slows this rank down to `speed x rate`: before every collective of a compute region it sleeps
-    what the work done since the last collective owes beyond the compute it really took."""
+    """Slows this rank down to `speed x rate`: before every collective of a compute region it sleeps what
+    the work done since the last collective owes, work / (rate x speed), beyond the compute it took."""
 
     def __init__(self, profile: SpeedProfile, tp_rank: int, tp_size: int, rate_gflops: float):
         if rate_gflops <= 0:
@@ -56,14 +69,14 @@ class VirtualDevice:
         self.profile, self.tp_rank, self.tp_size = profile, tp_rank, tp_size
         self.rate = rate_gflops * 1e9
         self.step = 0
-        # This step so far: its emulated compute (charge_s), the charge on a host as fast as rate
-        # (nominal_s), the real compute beyond it (overrun_s > 0: rate is too high for this host), and the
-        # charged work's real compute and the time really slept.
-        self.charge_s = self.nominal_s = self.overrun_s = self._real_s = self._slept_s = 0.0
+        # This step so far: its emulated compute (charge_s), the charged work's real compute (host_s), the
+        # real compute beyond the charge (overrun_s), and the time slept.
+        self.charge_s = self.host_s = self.overrun_s = self._slept_s = 0.0
         self.work: Callable[[], int] = lambda: 0
         """FLOPs executed so far (forward + backward), cumulative."""
         self.clock: CommClock | None = None
         self._last = (0.0, 0, 0.0)  # (perf_counter, work, clock.blocked_host_s) at the last payment
+        self.warned = False
 
     def attach(self, work: Callable[[], int], clock: CommClock) -> None:
         """Count `work` (cumulative FLOPs) and pay before each collective of `clock`'s regions."""
@@ -79,28 +92,24 @@ class VirtualDevice:
 
     def set_step(self, step: int) -> None:
         self.step = step
-        self.charge_s = self.nominal_s = self.overrun_s = self._real_s = self._slept_s = 0.0
+        self.charge_s = self.host_s = self.overrun_s = self._slept_s = 0.0
 
     @property
     def speed(self) -> float:
         return self.profile.speed(self.tp_rank, self.step, self.tp_size)
 
     def charge(self, flops: int, real_s: float) -> float:
-        """Account `flops` that really took `real_s`; sleep what the step owes so far; return it.
+        """Account `flops` whose real compute took `real_s`; sleep what the step owes so far, its work /
+        (rate x speed) less the real compute and the time already slept; return it.
 
-        Accounted over the step so far: it is charged `work / (rate x speed)`, or `real / speed` where the
-        host ran the charged work slower than `rate` (a busy machine: the rank then stays 1/speed times
-        slower than its real compute, so a slow virtual device is still slow when every rank's real
-        compute is slow). Each payment sleeps the charge less the real compute and the time already slept:
-        a sleep that wakes late (a busy machine) is taken off the next ones, so a step's many short sleeps
+        A sleep that wakes late (a busy machine) is taken off the next ones, so a step's many short sleeps
         add up to its charge, not to the charge plus every wake-up's delay."""
         if not flops:
             return 0.0  # compute outside the blocks (embedding, loss) is not charged
-        self.nominal_s += flops / (self.rate * self.speed)
-        self._real_s += real_s
-        self.overrun_s = max(self._real_s - self.nominal_s, 0.0)
-        self.charge_s = max(self.nominal_s, self._real_s / self.speed)
-        rest = self.charge_s - self._real_s - self._slept_s
+        self.charge_s += flops / (self.rate * self.speed)
+        self.host_s += real_s
+        self.overrun_s = max(self.host_s - self.charge_s, 0.0)
+        rest = self.charge_s - self.host_s - self._slept_s
         if rest <= 0:
             return 0.0
         t0 = time.perf_counter()
@@ -118,6 +127,20 @@ class VirtualDevice:
         real -= clock.blocked_host_s - blocked_last
         self.charge(work - work_last, max(real, 0.0))
         self._last = (time.perf_counter(), work, clock.blocked_host_s)
+
+    def check_overrun(self) -> None:
+        """Warn once when a step's real compute outran its charge: the rank then ran at the host's speed, not
+        the device's, and the emulated speed ratios do not hold."""
+        if self.warned or self.overrun_s <= OVERRUN_WARN * self.charge_s:
+            return
+        self.warned = True
+        warnings.warn(
+            f"virtual device (TP rank {self.tp_rank}): step {self.step}'s real compute {self.host_s:.3f} s "
+            f"exceeded its charge {self.charge_s:.3f} s at {self.rate / 1e9:g} GFLOP/s x speed {self.speed:g}, "
+            "so the emulated speeds do not hold (a slow host, more ranks than cores, other load): lower "
+            "--device.rate_gflops",
+            stacklevel=2,
+        )
 
 
 def attach_virtual_device(model: torch.nn.Module, device: VirtualDevice, clock: CommClock) -> None:
@@ -142,9 +165,15 @@ class DeviceStepHook(StepHook):
     def before_forward_backward(self, step: int) -> None:
         self.device.set_step(step)
 
+    def after_step(self, engine) -> None:
+        self.device.check_overrun()
+
     def close(self, final: bool = True) -> None:
         self.device.detach()
 
     def metrics(self) -> dict[str, float]:
         d = self.device
-        return {"device_speed": d.speed, "device_charge_s": d.charge_s, "device_overrun_s": d.overrun_s}
+        return {
+            "device_speed": d.speed, "device_charge_s": d.charge_s, "device_host_s": d.host_s,
+            "device_overrun_s": d.overrun_s,
+        }  # fmt: skip

@@ -3,7 +3,7 @@
 The plans of resize and semi follow measured time, so two runs of the same command and seed drop
 different units and their losses differ. Replaying the recorded run's targets step by step (unit
 selection is seeded by the step) gives the recorded run's plans, and so its losses, exactly. TP=2 ViT
-(pretrain_vit.py), TP rank 1 a virtual device at half speed, `--balance.mode resize`: the recorded run
+(pretrain_vit.py), TP rank 1 a virtual device at half speed (0.3 GFLOP/s: its charge outlasts its real compute), `--balance.mode resize`: the recorded run
 and its replay, which writes a trace of its own. The replay's targets equal the recorded ones to the
 last bit (floats from measured times: a run that planned for itself would not repeat them), and so do
 its losses.
@@ -25,7 +25,7 @@ STEPS = 12
 def _run(out, name: str, extra: list[str]) -> dict[int, dict]:
     args = [
         *short_run(STEPS, eval_iters=1),
-        *("--parallel.tp", "2", "--device.profile", "static:1,0.5", "--device.rate_gflops", "5"),
+        *("--parallel.tp", "2", "--device.profile", "static:1,0.5", "--device.rate_gflops", "0.3"),
         *("--balance.mode", "resize", "--balance.window", "1", "--balance.hysteresis", "0.01", *extra),
     ]
     args, metrics = metrics_job(out, name, args)

@@ -168,7 +168,8 @@ class BalanceController(MeasuringHook):
         if gathered is None:
             return
         rows, step, step_s = gathered
-        table = {(int(r[0]), int(r[1])): r[2:].tolist() for r in rows}
+        # one copy to the host for every rank's row (a .tolist() per row syncs once per rank on a GPU)
+        table = {(int(r[0]), int(r[1])): r[2:] for r in torch.stack(rows).tolist()}
         tp, dp = range(self.layout.tp_size), range(self.layout.dp_size)
         # [field][dp][tp]: work, layers' own compute, all own compute, collective waits, fixed work, and
         # the optimizer step's part of it

@@ -1,0 +1,205 @@
+"""What the balancer costs on the host per training step (issue 48): step time and machine-independent counts
+of plain megatron-core, megahet without a balancer, megahet measuring, and SEMI (at its defaults and
+deciding every step), side by side in one launch per tensor-parallel size.
+
+    python benchmarks/host_overhead.py                       # CPU: tiny Llama, TP=1 and TP=2, ~3 min on 2 cores
+    python benchmarks/host_overhead.py --tp 1 --rounds 5
+    python benchmarks/host_overhead.py --rounds 0 --healthy-gap 0.9 --name host_counts   # counts only, as CI
+    python benchmarks/host_overhead.py --arch llama --layers 24 --hidden 1536 --heads 12 --groups 4 \\
+        --ffn 4096 --seq 2048 --micro 4 --accum 2 --tp 1 --name host_overhead_h100   # a GPU: 629 M Llama
+
+The default shape is host-bound on purpose (a 4-layer Llama, hidden 64, sequence 64): the step is mostly
+Python launching work, as a 0.3-0.6 B model's is on an H200, so what the balancer adds on the host shows.
+Each TP size runs under torchrun (nproc = TP, gloo on CPU); every rank builds all the systems and times
+them in interleaved blocks of `--steps` steps (`--rounds` rounds, the median block), so machine noise
+hits all alike. Then each system's steps are counted (benchmarks/host_counts.py, on rank 0): ATen ops
+dispatched, Python calls into megahet, host syncs, CUDA events recorded; these do not drift with load.
+
+- `mcore`: plain megatron-core, the same GPT / Llama (its GPTModel, local layer spec) driven by its own
+  forward_backward_func; on a GPU with its DDP and optimizer, on CPU with torch's AdamW (megatron's
+  optimizer needs CUDA);
+- `megahet`: megahet's trainer (DeepSpeed ZeRO-1 engine) with no balancer;
+- `measuring`: resizable layers and the balancer's clock, no planning (`--balance.trace`, mode static);
+- `semi`: SEMI at its defaults; `semi_every_step`: SEMI deciding every step (`balance.interval 1`).
+
+`vs_megahet` = megahet's step / this system's step. Writes benchmarks/results/<name>.{md,json}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.common import RESULTS, save_results, torchrun
+from benchmarks.gpu_throughput import base_args, mcore_step_fn, model_parser, timed_block
+from benchmarks.host_counts import HostCounts
+
+COLUMNS = ["system", "tp", "step_s", "vs_megahet", "aten_ops", "megahet_calls", "host_syncs", "cuda_events"]
+COUNTED_STEPS = 2
+
+
+def systems(args, trace_dir: Path) -> dict[str, list[str]]:
+    """megahet's systems: the overrides each adds to the shape."""
+    semi = ["--balance.mode", "semi"]
+    if args.healthy_gap is not None:
+        semi += ["--balance.healthy_gap", str(args.healthy_gap)]
+    return {
+        "megahet": [],
+        "measuring": ["--balance.trace", str(trace_dir / "trace.jsonl")],
+        "semi": semi,
+        "semi_every_step": [*semi, "--balance.interval", "1"],
+    }
+
+
+def megahet_step(args, extra: list[str]):
+    import pretrain_gpt
+    from megahet.config import load_config
+    from megahet.training import setup
+
+    cfg = load_config([*base_args(args), "--parallel.tp", str(args.tp), *extra])
+    trainer = setup(cfg, pretrain_gpt.SPEC)
+    return trainer.train_step, cfg
+
+
+def mcore_cpu_step(cfg, vocab_size: int, accum: int):
+    """One optimizer step of plain megatron-core on CPU: its GPTModel (the local layer spec megahet's
+    layers extend) and forward_backward_func, torch's AdamW (no DP: the TP ranks' replicated parameters
+    get equal gradients)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megahet.models.common import local_layer_spec
+    from megahet.models.gpt import build_gpt
+
+    spec = local_layer_spec(attention=cfg.model.attention, normalization=cfg.model.normalization)
+    model = build_gpt(cfg, vocab_size, spec)
+    t = cfg.train
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    micro, seq = t.micro_batch_size, cfg.model.seq_length
+    tokens = torch.randint(0, vocab_size, (micro, seq + 1))  # (b, s+1)
+    positions = torch.arange(seq).expand(micro, seq)  # (b, s)
+
+    def forward_step(data_iterator, module):
+        out = module(tokens[:, :-1], positions, None, labels=tokens[:, 1:])  # (b, s) per-token losses
+        return out, lambda loss: (loss.float().mean(), {})
+
+    forward_backward = get_forward_backward_func()
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        forward_backward(forward_step_func=forward_step, data_iterator=iter(range(accum)), model=[model],
+                         num_microbatches=accum, seq_length=seq, micro_batch_size=micro, forward_only=False)  # fmt: skip
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_grad)
+        optimizer.step()
+
+    return step
+
+
+def counted(step) -> dict[str, float]:
+    with HostCounts() as counts:
+        for _ in range(COUNTED_STEPS):
+            step()
+    return counts.as_dict(COUNTED_STEPS)
+
+
+def rank_main(args) -> None:
+    """On each rank of one TP size: build the systems, time them interleaved, count them; rank 0 writes."""
+    import pretrain_gpt
+    from megahet.platform import cuda_available, synchronize
+
+    trace_dir = Path(tempfile.mkdtemp())
+    steps, cfg = {}, None
+    for name, extra in systems(args, trace_dir).items():
+        steps[name], cfg = megahet_step(args, extra)
+    vocab = pretrain_gpt.SPEC.vocab_size(cfg)
+    if cuda_available():
+        steps["mcore"], _ = mcore_step_fn(cfg, vocab, args.accum)
+    else:
+        steps["mcore"] = mcore_cpu_step(cfg, vocab, args.accum)
+    steps = {"mcore": steps.pop("mcore"), **steps}
+    for step in steps.values():  # warm-up: DeepSpeed's first step, the balancer's first plans
+        timed_block(step, 3)
+    seconds = {name: [float("nan")] for name in steps} if args.rounds == 0 else {name: [] for name in steps}
+    for _ in range(args.rounds):
+        for name, step in steps.items():
+            dist.barrier()
+            synchronize()
+            seconds[name].append(timed_block(step, args.steps))
+    counts = {name: counted(step) for name, step in steps.items()}
+    if dist.get_rank() != 0:
+        return
+    megahet_s = statistics.median(seconds["megahet"])
+    rows = [
+        {"system": name, "tp": args.tp, "step_s": statistics.median(samples),
+         "vs_megahet": megahet_s / statistics.median(samples), **counts[name], "block_seconds": samples}
+        for name, samples in seconds.items()
+    ]  # fmt: skip
+    Path(args.out).write_text(json.dumps(rows))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = model_parser(__doc__.split("\n")[0], layers=4, seq=64, micro=2, accum=2)
+    parser.set_defaults(hidden=64, heads=4)
+    parser.add_argument("--arch", choices=["gpt", "llama"], default="llama")
+    parser.add_argument("--groups", type=int, default=0, help="key/value heads (0: one per head)")
+    parser.add_argument("--ffn", type=int, default=0, help="MLP units (0: 4 x hidden)")
+    parser.add_argument("--attention", choices=["sdpa", "local"], default="sdpa")
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes (ranks)")
+    parser.add_argument("--steps", type=int, default=10, help="steps per timed block")
+    parser.add_argument("--rounds", type=int, default=5, help="0: count only (no timing: CI's budget test)")
+    parser.add_argument("--name", default="host_overhead")
+    parser.add_argument("--healthy-gap", type=float, help="SEMI's balance.healthy_gap (CI's counts: 0.9, so "
+                        "that timing noise never resizes and the counts are the healthy steady state's)")  # fmt: skip
+    parser.add_argument("--out", help=argparse_hidden())
+    args = parser.parse_args(argv)
+    if "RANK" in os.environ:  # a rank of the launch below
+        args.tp = args.tp[0]
+        rank_main(args)
+        return
+    rows, forwarded = [], [a for a in (argv if argv is not None else sys.argv[1:])]
+    forwarded = strip_option(forwarded, "--tp")
+    for tp in args.tp:
+        out = RESULTS / f"{args.name}_runs" / f"tp{tp}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.unlink(missing_ok=True)
+        torchrun("benchmarks/host_overhead.py", tp, [*forwarded, "--tp", str(tp), "--out", str(out)],
+                 out.with_suffix(".log"))  # fmt: skip
+        rows += json.loads(out.read_text())
+    meta = {"shape": {k: getattr(args, k) for k in ("arch", "layers", "hidden", "heads", "seq", "micro", "accum")},
+            "steps_per_block": args.steps, "rounds": args.rounds, "counted_steps": COUNTED_STEPS,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__}  # fmt: skip
+    save_results(args.name, rows, COLUMNS, meta)
+
+
+def argparse_hidden() -> str:
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+def strip_option(argv: list[str], option: str) -> list[str]:
+    """argv without `option` and the values after it."""
+    out, skipping = [], False
+    for arg in argv:
+        if arg == option:
+            skipping = True
+            continue
+        if skipping and not arg.startswith("--"):
+            continue
+        skipping = False
+        out.append(arg)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -11,8 +11,7 @@ deciding every step), side by side in one launch per tensor-parallel size.
 The default shape is host-bound on purpose (a 4-layer Llama, hidden 64, sequence 64): the step is mostly
 Python launching work, as a 0.3-0.6 B model's is on an H200, so what the balancer adds on the host shows.
 Each TP size runs under torchrun (nproc = TP, gloo on CPU); every rank builds all the systems and times
-them in interleaved blocks of `--steps` steps (`--rounds` rounds, the median block), so machine noise
-hits all alike. Then each system's steps are counted (benchmarks/host_counts.py, on rank 0): ATen ops
+them in interleaved blocks of `--steps` steps (`--rounds` rounds), so machine noise hits all alike. Then each system's steps are counted (benchmarks/host_counts.py, on rank 0): ATen ops
 dispatched, Python calls into megahet, host syncs, CUDA events recorded; these do not drift with load.
 
 - `mcore`: plain megatron-core, the same GPT / Llama (its GPTModel, local layer spec) driven by its own
@@ -22,7 +21,8 @@ dispatched, Python calls into megahet, host syncs, CUDA events recorded; these d
 - `measuring`: resizable layers and the balancer's clock, no planning (`--balance.trace`, mode static);
 - `semi`: SEMI at its defaults; `semi_every_step`: SEMI deciding every step (`balance.interval 1`).
 
-`vs_megahet` = megahet's step / this system's step. Writes benchmarks/results/<name>.{md,json}.
+`vs_megahet` = the median over rounds of megahet's block / this system's block in the same round (paired:
+a drift of the machine's speed between rounds cancels). Writes benchmarks/results/<name>.{md,json}.
 """
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ from benchmarks.gpu_throughput import base_args, mcore_step_fn, model_parser, ti
 from benchmarks.host_counts import HostCounts
 
 COLUMNS = ["system", "tp", "step_s", "vs_megahet", "aten_ops", "megahet_calls", "host_syncs", "cuda_events"]
-COUNTED_STEPS = 2
+COUNTED_STEPS = 10
+"""Counted steps per system: a whole period of the sampled priority statistics (resize.score_interval 5)
+and of a reselection (resize.reselect_interval 10), so the counts are the per-step average."""
 
 
 def systems(args, trace_dir: Path) -> dict[str, list[str]]:
@@ -137,10 +139,10 @@ def rank_main(args) -> None:
     counts = {name: counted(step) for name, step in steps.items()}
     if dist.get_rank() != 0:
         return
-    megahet_s = statistics.median(seconds["megahet"])
     rows = [
         {"system": name, "tp": args.tp, "step_s": statistics.median(samples),
-         "vs_megahet": megahet_s / statistics.median(samples), **counts[name], "block_seconds": samples}
+         "vs_megahet": statistics.median(m / x for m, x in zip(seconds["megahet"], samples)),
+         **counts[name], "block_seconds": samples}
         for name, samples in seconds.items()
     ]  # fmt: skip
     Path(args.out).write_text(json.dumps(rows))
@@ -154,8 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ffn", type=int, default=0, help="MLP units (0: 4 x hidden)")
     parser.add_argument("--attention", choices=["sdpa", "local"], default="sdpa")
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes (ranks)")
-    parser.add_argument("--steps", type=int, default=10, help="steps per timed block")
-    parser.add_argument("--rounds", type=int, default=5, help="0: count only (no timing: CI's budget test)")
+    parser.add_argument("--steps", type=int, default=5, help="steps per timed block")
+    parser.add_argument("--rounds", type=int, default=20, help="0: count only (no timing: CI's budget test)")
     parser.add_argument("--name", default="host_overhead")
     parser.add_argument("--healthy-gap", type=float, help="SEMI's balance.healthy_gap (CI's counts: 0.9, so "
                         "that timing noise never resizes and the counts are the healthy steady state's)")  # fmt: skip

@@ -349,6 +349,7 @@ def _validate_resize(cfg: MegahetConfig, dp: int) -> None:
         f"resize.priority_temperature must be >= 0 (0 = lowest scores first), got {r.priority_temperature}",
     )
     _require(0.0 <= r.score_decay < 1.0, f"resize.score_decay must be in [0, 1), got {r.score_decay}")
+    _require(r.score_interval > 0, f"resize.score_interval must be positive, got {r.score_interval}")
     _require(
         r.score_samples >= 0, f"resize.score_samples must be >= 0 (0 = every element), got {r.score_samples}"
     )

@@ -220,7 +220,12 @@ class ResizeConfig(_Section):
     max_drop_steps: int = 50
     """Fairness guard: a unit dropped this many consecutive steps is kept at the next selection."""
     score_decay: float = 0.9
-    """EMA decay of the priority statistics (per-unit gradient mean and squared norm per step)."""
+    """EMA decay of the priority statistics (per-unit gradient mean and squared norm) per step."""
+    score_interval: int = 5
+    """The priority statistics sample one step in this many (steps 0, k, 2k, ...; each sample decays the
+    EMA by score_decay^k, so it forgets at the same rate per step): the gradient sampling, its copies and
+    the statistics' update are host and device work on every step they run, with nothing to balance too
+    (issue 48). 1: every step."""
     score_samples: int = 1024
     """Gradient elements per unit the priority statistics follow (a fixed random sample, the same for
     every unit; 0 = all): memory and time of the statistics stay small at any model size."""

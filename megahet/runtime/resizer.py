@@ -146,6 +146,7 @@ class ResizeController(StepHook):
 
     def before_forward_backward(self, step: int) -> None:
         self.step = step
+        self.executor.sampling = step % self.cfg.score_interval == 0  # the statistics' sampled steps
         if step % self.cfg.reselect_interval == 0 or self._replan:
             self._replan = False
             if self.executor.track_gradients:
@@ -169,12 +170,13 @@ class ResizeController(StepHook):
         self.executor.after_step(engine.optimizer)
         plan = self.executor.plan
         for block, n in self.units.items():
-            if self.executor.track_gradients:
+            if self.executor.track_gradients and self.executor.sampling:
                 grad = self.executor.unit_gradients[block]  # (units, elements), on the device
                 stats = self.stats.get(block) or GradientStats.empty(n, grad.shape[1], grad.device)
                 computed = self.executor.computed_mask(block)  # (units,) bool, on the device
                 weight = self.executor.unit_weights.get(block)  # (units, elements)
-                self.stats[block] = update_gradient_stats(stats, grad, computed, self.cfg.score_decay, weight)
+                decay = self.cfg.score_decay**self.cfg.score_interval  # per sample: score_decay per step
+                self.stats[block] = update_gradient_stats(stats, grad, computed, decay, weight)
             for rank in self.gammas:
                 dropped = np.zeros(n, bool)
                 dropped[list(plan.dropped(block, *rank))] = True

@@ -26,7 +26,8 @@ time spent waiting for it), read once after the step: nothing synchronizes per r
 
     clock = CommClock()                  # no side effect
     timers = ComputeTimers(clock)        # model.config.timers = timers; the schedule opens the regions
-    time_layers(model, clock)            # also the own compute inside the transformer layers
+    time_layers(model, clock)            # also the own compute inside the transformer layers (one interval
+                                         # per block of consecutive layers)
     with clock.installed():              # torch.distributed's collectives timed within the block only
         ... one step ...
     with clock.phase("optimizer"):       # own time outside the regions: the optimizer step
@@ -286,12 +287,18 @@ class _LayerBackwardEnds(torch.autograd.Function):
 
 
 def time_layers(model: torch.nn.Module, clock: CommClock) -> int:
-    """Time every TransformerLayer's forward and backward in `clock` (its `layers_s`); returns how many.
+    """Time the transformer layers' forward and backward in `clock` (its `layers_s`); returns how many
+    layers are covered.
 
-    Forward: module hooks. Backward: from the moment the layer's output gradient arrives (a tensor hook)
-    to the moment its input gradient is complete (an identity Function on the input). Module backward
-    hooks would not do: megatron-core passes the hidden states as a keyword, and a full backward hook
-    on a module without positional tensor inputs fires as soon as the backward starts."""
+    One interval per run of consecutive layers, not one per layer (issue 48: what a plan needs is the
+    layers' total, and each interval is hooks, an autograd node and, on a GPU, two CUDA events): a
+    TransformerBlock's layers are timed from its first layer's start to its last layer's end, forward and
+    backward; a TransformerLayer outside any block is timed alone. Forward: module hooks. Backward: from the
+    moment the last layer's output gradient arrives (a tensor hook) to the moment the first layer's input
+    gradient is complete (an identity Function on the input). Module backward hooks would not do:
+    megatron-core passes the hidden states as a keyword, and a full backward hook on a module without
+    positional tensor inputs fires as soon as the backward starts."""
+    from megatron.core.transformer.transformer_block import TransformerBlock
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     def forward_pre(module, args, kwargs):
@@ -309,11 +316,14 @@ def time_layers(model: torch.nn.Module, clock: CommClock) -> int:
         if out.requires_grad:
             out.register_hook(lambda grad: clock.open_layer())
 
-    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
-    for layer in layers:
-        layer.register_forward_pre_hook(forward_pre, with_kwargs=True)
-        layer.register_forward_hook(forward_post)
-    return len(layers)
+    runs = [list(block.layers) for block in model.modules() if isinstance(block, TransformerBlock)]
+    runs = [run for run in runs if run]
+    in_runs = {id(layer) for run in runs for layer in run}
+    runs += [[m] for m in model.modules() if isinstance(m, TransformerLayer) and id(m) not in in_runs]
+    for run in runs:
+        run[0].register_forward_pre_hook(forward_pre, with_kwargs=True)
+        run[-1].register_forward_hook(forward_post)
+    return sum(len(run) for run in runs)
 
 
 class ComputeTimers:

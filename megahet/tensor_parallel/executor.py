@@ -115,12 +115,17 @@ class ResizeExecutor:
         self._sample_index: dict[UnitParam, torch.Tensor | None] = {}
         """Per parameter, the sampled elements' offsets in it, (units, samples), or None for all."""
         self._sample_grad: dict[UnitParam, torch.Tensor] = {}
+        self._unhooked: list[tuple[BlockKey, UnitParam, bool]] = []
+        """Parameters whose gradient hook is not registered yet: it is registered where it has work (a
+        plan that resizes or migrates, statistics, 'same' imputation), so an even split with nothing to
+        track runs no hook per parameter and micro-batch (issue 48)."""
+        self._flop_layers = [m for block in self.blocks.values() for m in block.layers]
         for block in self.blocks.values():
             if track_gradients:
                 for up, index in _sample_elements(block, score_samples).items():
                     self._sample_index[up] = _element_offsets(up, index)
             for up in block.unit_params + block.shared_params:
-                up.param.register_hook(self._make_hook(block.key, up, up in block.shared_params))
+                self._unhooked.append((block.key, up, up in block.shared_params))
                 if imputation == "same":
                     self._last_grad[up] = torch.zeros_like(up.param, dtype=torch.float32)
                     self._step_grad[up] = torch.zeros_like(up.param, dtype=torch.float32)
@@ -129,6 +134,11 @@ class ResizeExecutor:
                     self._sample_grad[up] = torch.zeros_like(samples, dtype=torch.float32)
         self.track_gradients = track_gradients
         self.track_weights = track_gradients and track_weights
+        if track_gradients or imputation == "same":
+            self._register_hooks()
+        self.sampling = True
+        """With track_gradients: whether this step's gradients are sampled (the statistics sample one step
+        in resize.score_interval; the ResizeController sets it before each step)."""
 
     @property
     def block_units(self) -> dict[BlockKey, int]:
@@ -136,7 +146,12 @@ class ResizeExecutor:
 
     def executed_flops(self) -> int:
         """Forward GEMM FLOPs executed by this rank's resizable blocks since construction."""
-        return sum(block.executed_flops for block in self.blocks.values())
+        return sum([layer.executed_flops for layer in self._flop_layers])
+
+    def _register_hooks(self) -> None:
+        for key, up, shared in self._unhooked:
+            up.param.register_hook(self._make_hook(key, up, shared))
+        self._unhooked = []
 
     def computed_units(self, key: BlockKey) -> np.ndarray:
         state = self._state[key]
@@ -193,6 +208,10 @@ class ResizeExecutor:
             self._group_state[key] = (
                 self._groups_of(block, plan, computed, device) if block.shared_params else None
             )
+        if self._unhooked and any(
+            st is not None for st in (*self._state.values(), *self._group_state.values())
+        ):
+            self._register_hooks()
         self._install(True)
         self.exchange.apply(plan)
 
@@ -252,7 +271,7 @@ class ResizeExecutor:
             state = states[key]
             if up in self._step_grad:
                 self._step_grad[up] += grad.float()
-            if up in self._sample_grad:
+            if self.sampling and up in self._sample_grad:
                 self._sample_grad[up] += _take(grad, up, self._sample_index[up])  # (units, samples)
             if state is None:
                 return grad
@@ -277,7 +296,7 @@ class ResizeExecutor:
         at (statistics); under the zero policy, remember every frozen unit."""
         if self.exchange.active:
             self.exchange.pull_grads()
-        if self.track_weights:
+        if self.track_weights and self.sampling:
             for key, block in self.blocks.items():
                 self.unit_weights[key] = torch.cat(
                     [_take(up.param.detach(), up, self._sample_index[up]) for up in block.unit_params],
@@ -308,7 +327,7 @@ class ResizeExecutor:
         if self.exchange.active:
             self.exchange.bytes_last_step += self.exchange.push_weights()
         for key, block in self.blocks.items():
-            if self.track_gradients:
+            if self.track_gradients and self.sampling:
                 self.unit_gradients[key] = torch.cat(
                     [self._sample_grad[up] for up in block.unit_params], dim=1
                 )

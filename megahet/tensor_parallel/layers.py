@@ -35,15 +35,11 @@ from megatron.core.tensor_parallel import (
 from megatron.core.transformer.attention import SelfAttention
 
 
-def _tokens(x: torch.Tensor) -> int:
-    return x.numel() // x.shape[-1]
-
-
 def _charge_backward(layer, output: torch.Tensor, forward_flops: int) -> None:
-    """With `layer.count_backward`, add 2x a forward's FLOPs (input and weight gradients) to
-    `layer.backward_flops` when the output's gradient arrives, just before the layer's own backward runs
-    (a virtual device charges them before the backward's next collective)."""
-    if layer.count_backward and output.requires_grad:
+    """Add 2x a forward's FLOPs (input and weight gradients) to `layer.backward_flops` when the output's
+    gradient arrives, just before the layer's own backward runs (a virtual device charges them before the
+    backward's next collective). Called only with `layer.count_backward` (no call per layer otherwise)."""
+    if output.requires_grad:
         output.register_hook(functools.partial(_count_backward, layer, 2 * forward_flops))
 
 
@@ -127,10 +123,11 @@ class ResizableColumnParallelLinear(ColumnParallelLinear):
 
     def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output=None):
         if self.kept is None and self.guest_weight is None:
-            flops = 2 * _tokens(input_) * self.weight.shape[0] * self.weight.shape[1]
+            flops = 2 * (input_.numel() // input_.shape[-1]) * self.weight.shape[0] * self.weight.shape[1]
             self.executed_flops += flops
             out = super().forward(input_, weight, runtime_gather_output)
-            _charge_backward(self, out[0], flops)
+            if self.count_backward:
+                _charge_backward(self, out[0], flops)
             return out
         x = copy_to_tensor_model_parallel_region(input_)  # (s, b, h); all-reduces dgrad over TP
         w = self.weight if self.kept is None else gather_units(self.weight, 0, self.kept)  # (kept, h)
@@ -142,10 +139,11 @@ class ResizableColumnParallelLinear(ColumnParallelLinear):
             bias = (
                 _append_rows(bias, _joined(self.guest_bias), self.unit_groups) if bias is not None else None
             )
-        flops = 2 * _tokens(input_) * w.shape[0] * w.shape[1]
+        flops = 2 * (input_.numel() // input_.shape[-1]) * w.shape[0] * w.shape[1]
         self.executed_flops += flops
         out = F.linear(x, w, None if self.skip_bias_add else bias)  # (s, b, kept + guests)
-        _charge_backward(self, out, flops)
+        if self.count_backward:
+            _charge_backward(self, out, flops)
         return out, (bias if self.skip_bias_add else None)
 
 
@@ -175,20 +173,22 @@ class ResizableRowParallelLinear(RowParallelLinear):
 
     def forward(self, input_: torch.Tensor):
         if self.kept is None and self.guest_weight is None:
-            flops = 2 * _tokens(input_) * self.weight.shape[0] * self.weight.shape[1]
+            flops = 2 * (input_.numel() // input_.shape[-1]) * self.weight.shape[0] * self.weight.shape[1]
             self.executed_flops += flops
             out = super().forward(input_)
-            _charge_backward(self, out[0], flops)
+            if self.count_backward:
+                _charge_backward(self, out[0], flops)
             return out
         w = self.weight if self.kept is None else gather_units(self.weight, 1, self.kept)  # (h, kept)
         if self.guest_weight is not None:
             w = torch.cat([w, self.guest_weight], dim=1)  # (h, kept + guest cols)
         # (s, b, kept + guests) -> (s, b, h): this rank's partial sum, guests' share included, so the
         # all-reduce it already does combines them (migration-aware all-reduce).
-        flops = 2 * _tokens(input_) * w.shape[0] * w.shape[1]
+        flops = 2 * (input_.numel() // input_.shape[-1]) * w.shape[0] * w.shape[1]
         self.executed_flops += flops
         partial = F.linear(input_, w)
-        _charge_backward(self, partial, flops)
+        if self.count_backward:
+            _charge_backward(self, partial, flops)
         out = reduce_from_tensor_model_parallel_region(partial)  # full-width all-reduce over TP
         if self.skip_bias_add:
             return out, self.bias
@@ -352,5 +352,6 @@ class ResizableSelfAttention(SelfAttention):
         else:
             with self._running_heads(heads):
                 out = super().forward(hidden_states, *args, **kwargs)
-        _charge_backward(self, out[0], flops)
+        if self.count_backward:
+            _charge_backward(self, out[0], flops)
         return out

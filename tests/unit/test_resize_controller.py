@@ -129,3 +129,23 @@ def test_controller_keeps_a_multiple_of_unit_multiple_mlp_units(world1) -> None:
             assert kept % 8 == 0 and kept < n and kept != n - int(0.3 * n), (block, n, kept)
         else:
             assert kept == n - int(0.3 * n), (block, n, kept)
+
+
+def test_priority_statistics_sample_one_step_in_score_interval(world1) -> None:
+    """resize.score_interval k: the gradients are sampled and the statistics updated on steps 0, k, 2k, ...
+    only (no copy of the gradients on the others: issue 48), each sample decaying the EMA by decay^k."""
+
+    def counts_after_7_steps(interval: int) -> int:
+        cfg = load_config(f"--resize.gamma 0:0.5 --resize.score_interval {interval}".split())
+        model = gpt()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ctrl = ResizeController(cfg, model, current_layout(), num_microbatches=2)
+        sampled = []
+        run_controller(ctrl, model, optimizer, range(7), lambda t: sampled.append(ctrl.executor.sampling))
+        assert sampled[1:] == [t % interval == 0 for t in range(6)]  # set at each step, seen at the next
+        ctrl.executor.apply(ResizePlan())  # leave the model's hooks inert for the next controller
+        ctrl.executor._step_grad.clear()
+        return max(int(s.count.max()) for s in ctrl.stats.values())  # a unit computed on every sample
+
+    assert counts_after_7_steps(1) == 7
+    assert counts_after_7_steps(3) == 3  # steps 0, 3, 6

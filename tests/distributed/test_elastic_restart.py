@@ -45,8 +45,9 @@ def _node(out: Path, name: str, port: int, args: list[str]) -> subprocess.Popen:
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes", "1:2", "--nproc_per_node", "2", "--max_restarts", "1",
         "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "elastic",
-        # both nodes join the first round; after the loss the survivor waits 3 s for others, then goes on
-        "--rdzv_conf", "join_timeout=120,last_call_timeout=3",
+        # both nodes join the first round; after the loss the survivor waits 3 s for others, then goes on;
+        # the store's reads wait up to 300 s (60 by default: a busy 2-core host starting 4 ranks missed it)
+        "--rdzv_conf", "join_timeout=120,last_call_timeout=3,read_timeout=300",
         "--monitor_interval", "0.5",
         str(REPO / "pretrain_gpt.py"), *args,
     ]  # fmt: skip

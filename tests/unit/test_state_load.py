@@ -209,7 +209,14 @@ def test_a_resplit_frees_the_old_engine_before_it_builds_the_new_one(world1, tmp
             plan, vit.SPEC, trainer.layout, None, trainer.logger, resplits, (), restore
         )
 
+    weights = {n: p.detach().clone() for n, p in trainer.task.model.named_parameters()}
     trainer.pending_split = trainer.plan.split
     trainer = resplit(trainer, rebuild)
     assert alive_at_build == [(False, False)]
+    # The moved weights are the trained ones, bit for bit (a bad restore, e.g. fresh initial weights or
+    # another layer's, fails here: issue 49, item 7); and the run goes on from them.
+    rebuilt = dict(trainer.task.model.named_parameters())
+    assert rebuilt.keys() == weights.keys()
+    for name, value in weights.items():
+        assert torch.equal(rebuilt[name].detach(), value), name
     assert trainer.iteration == 1 and trainer.train_step()["loss"] == pytest.approx(loss, rel=0.5)

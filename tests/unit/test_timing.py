@@ -251,4 +251,4 @@ def test_the_one_interval_covers_every_layer_forward_and_backward(world1):
     model(tokens, torch.arange(8).expand(2, 8), None, labels=tokens).sum().backward()
     clock.close_region()
     _, _, layers_s, *_ = clock.read()
-    assert layers_s >= 0.07
+    assert layers_s >= 0.065  # 0.07 slept inside; one layer at a time counted only 0.04 of it

@@ -27,6 +27,7 @@ a drift of the machine's speed between rounds cancels). Writes benchmarks/result
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -161,14 +162,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default="host_overhead")
     parser.add_argument("--healthy-gap", type=float, help="SEMI's balance.healthy_gap (CI's counts: 0.9, so "
                         "that timing noise never resizes and the counts are the healthy steady state's)")  # fmt: skip
-    parser.add_argument("--out", help=argparse_hidden())
+    parser.add_argument("--out", help=argparse.SUPPRESS)  # a rank's results file (set by the launch below)
     args = parser.parse_args(argv)
     if "RANK" in os.environ:  # a rank of the launch below
         args.tp = args.tp[0]
         rank_main(args)
         return
-    rows, forwarded = [], [a for a in (argv if argv is not None else sys.argv[1:])]
-    forwarded = strip_option(forwarded, "--tp")
+    rows, forwarded = [], strip_option(sys.argv[1:] if argv is None else argv, "--tp")
     for tp in args.tp:
         out = RESULTS / f"{args.name}_runs" / f"tp{tp}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -181,12 +181,6 @@ def main(argv: list[str] | None = None) -> None:
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__}  # fmt: skip
     save_results(args.name, rows, COLUMNS, meta)
-
-
-def argparse_hidden() -> str:
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 def strip_option(argv: list[str], option: str) -> list[str]:

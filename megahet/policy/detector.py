@@ -126,6 +126,7 @@ class AffineTime:
     without one: the estimator then takes the group's)."""
 
     def __init__(self, window: int, pairs: int = 5):
+        """`pairs` 0: the proportional model, phi 0 (no pair is ever kept)."""
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self.window = window
@@ -158,7 +159,7 @@ class AffineTime:
     def _pair(self) -> None:
         """Solve this run's pair, refined over its first `window` samples, then final (a later speed change
         within the run must not rewrite it)."""
-        if self.previous is None or self.run_length > self.window:
+        if self.previous is None or self.run_length > self.window or self.pairs.maxlen == 0:
             return
         (u0, t0), u1, t1 = self.previous, self.run_units, statistics.median(self.run)
         if abs(u1 - u0) < MIN_CHANGE:
@@ -217,10 +218,13 @@ class AffineTime:
 
 
 class AffineSpeedEstimator:
-    """Per TP rank an `AffineTime`: relative speeds 1 / c_r and fixed work phi_r, from (units, time)."""
+    """Per rank an `AffineTime`: relative speeds 1 / c_r and fixed work phi_r, from (units, time). The ranks
+    of a TP group (the TP balancer), or every rank of the job (the DP balancer, units = micro-batches).
+    `affine` False: the proportional model (phi 0), for work whose units change every step (packed
+    documents), where no pair of plans holds the speed still."""
 
-    def __init__(self, tp_size: int, window: int = 5):
-        self.ranks = [AffineTime(window) for _ in range(tp_size)]
+    def __init__(self, tp_size: int, window: int = 5, affine: bool = True):
+        self.ranks = [AffineTime(window, pairs=5 if affine else 0) for _ in range(tp_size)]
 
     def update(self, units: Sequence[float], time: Sequence[float]) -> None:
         if len(units) != len(self.ranks) or len(time) != len(self.ranks):
@@ -233,6 +237,10 @@ class AffineSpeedEstimator:
     @property
     def ready(self) -> bool:
         return all(r.ready for r in self.ranks)
+
+    def samples(self) -> int:
+        """The fewest samples any rank has in its window."""
+        return min(len(r.samples) for r in self.ranks)
 
     def phis(self) -> list[float]:
         """Each rank's fixed layer work in units of U at its own speed: its pairs' median, else the group's

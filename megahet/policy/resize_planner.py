@@ -132,6 +132,7 @@ def plan_migration(
     block_units: Mapping[BlockKey, int],
     moves: Mapping[RankKey, tuple[float, tuple[int, ...]] | Mapping[int, float]],
     mlp_multiple: int = 1,
+    unit_work: Mapping[BlockKey, float] | None = None,
 ) -> dict[BlockKey, dict[RankKey, dict[int, tuple[int, ...]]]]:
     """An owner's highest units, in contiguous chunks per helper (in helper order).
 
@@ -141,15 +142,29 @@ def plan_migration(
     simple. At least one unit stays with the owner. With `mlp_multiple` m > 1 (and a multiple of m
     units per rank), every MLP chunk is a multiple of m units (`round_to_multiple`), so the owner's kept
     width and each helper's own-plus-guest width stay multiples of m (GEMM widths on the tensor-core path).
+
+    `unit_work`: the work of one unit of each block (any common scale, e.g. `Block.unit_work()`). A
+    balancer's target is then met per layer, not per block: a layer's attention moves in whole heads
+    (2 per rank at TP=2 on a 4-head model: a rank keeps 1/2 or all of them, where the target may be
+    0.4), and its MLP, in units a hundred times finer, absorbs the heads' rounding (`carry_rounding`).
     """
     explicit = {rank: move for rank, move in moves.items() if isinstance(move, tuple)}
     targets = {rank: move for rank, move in moves.items() if not isinstance(move, tuple)}
     migrated = {}
-    for block, num_units in sorted(block_units.items()):
+    carried: dict[tuple[int, int], dict[int, float]] = {}
+    """(dp, layer) -> per TP rank, the work its attention's rounding gave it beyond the target (in units
+    of unit_work), for the layer's MLP to take off."""
+    for block, num_units in sorted(block_units.items()):  # "attn" sorts before "mlp"
         counts = {rank: _helper_counts(num_units, move) for rank, move in explicit.items()}
         for dp in sorted({dp for dp, _ in targets}):
             group = {tp: move for (d, tp), move in targets.items() if d == dp}
-            counts.update({(dp, tp): c for tp, c in balanced_counts(num_units, group).items()})
+            if unit_work is None:
+                dealt = balanced_counts(num_units, group)
+            else:
+                dealt = carry_rounding(
+                    num_units, group, unit_work[block], carried.setdefault((dp, block[1]), {})
+                )
+            counts.update({(dp, tp): c for tp, c in dealt.items()})
         if block[0] == "mlp":
             counts = {rank: round_to_multiple(c, num_units, mlp_multiple) for rank, c in counts.items()}
         entry = {}
@@ -184,6 +199,34 @@ def _helper_counts(num_units: int, move: tuple[float, tuple[int, ...]]) -> dict[
     return {h: share + (1 if i < extra else 0) for i, h in enumerate(helpers)}
 
 
+def target_work(moves: Mapping[int, Mapping[int, float]]) -> dict[int, float]:
+    """Each rank's work under a TP group's fractional target, in units of its own share: 1 minus what it
+    sends plus what it hosts."""
+    work: dict[int, float] = {}
+    for owner, helpers in moves.items():
+        for helper, fraction in helpers.items():
+            work[owner] = work.get(owner, 1.0) - fraction
+            work[helper] = work.get(helper, 1.0) + fraction
+    return work
+
+
+def carry_rounding(
+    num_units: int, moves: Mapping[int, Mapping[int, float]], unit_work: float, carried: dict[int, float]
+) -> dict[int, dict[int, int]]:
+    """`balanced_counts` for one block of a layer whose earlier blocks' rounding left each rank
+    `carried[r]` work beyond its target: this block's target takes it off (a rank that kept a head too
+    many keeps that much less MLP), and its own rounding is added to `carried` for the next block."""
+    share = num_units * unit_work  # one rank's even work in this block
+    work = {r: w - carried.get(r, 0.0) / share for r, w in target_work(moves).items()}
+    # owners stay owners and helpers helpers (the block keeps the rest of the error)
+    work = {r: min(w, 1.0) if r in moves else max(w, 1.0) for r, w in work.items()}
+    sent = _deal(num_units, work, set(moves))
+    for r, w in target_work(moves).items():
+        computed = num_units - sum(sent.get(r, {}).values()) + sum(h.get(r, 0) for h in sent.values())
+        carried[r] = carried.get(r, 0.0) + (computed - w * num_units) * unit_work
+    return sent
+
+
 def balanced_counts(num_units: int, moves: Mapping[int, Mapping[int, float]]) -> dict[int, dict[int, int]]:
     """Whole units each owner sends each helper, for one TP group's fractional target.
 
@@ -195,14 +238,14 @@ def balanced_counts(num_units: int, moves: Mapping[int, Mapping[int, float]]) ->
     whose time (n_r + 1) / w_r grows least, which minimizes the block's slowest time. Owners then
     hand their surplus to helpers in rank order.
     """
-    work: dict[int, float] = {}
-    for owner, helpers in moves.items():
-        for helper, fraction in helpers.items():
-            work[owner] = work.get(owner, 1.0) - fraction
-            work[helper] = work.get(helper, 1.0) + fraction
+    return _deal(num_units, target_work(moves), set(moves))
+
+
+def _deal(num_units: int, work: Mapping[int, float], owners: set[int]) -> dict[int, dict[int, int]]:
+    """`balanced_counts` on each rank's target work (in units of its share) and the owners among them."""
     work = {r: max(w, 1e-9) for r, w in work.items()}
     counts = {r: math.floor(w * num_units + 1e-9) for r, w in work.items()}
-    for owner in moves:
+    for owner in owners:
         counts[owner] = max(counts[owner], 1)
     total = num_units * len(work)
     while sum(counts.values()) > total:  # owners kept their last unit: helpers give it up

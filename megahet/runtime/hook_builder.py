@@ -80,7 +80,7 @@ def build_step_hooks(
         dp_balancer = DataParallelBalancer(cfg, layout, trainer, coords, packed=trainer.task.packed)
     if cfg.resize.active or cfg.balance.active:
         num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.dp_size)
-        resizer = ResizeController(cfg, model, layout, num_microbatches)
+        resizer = ResizeController(cfg, model, layout, num_microbatches, trainer.task.seq_length)
     if cfg.balance.active:
         balancer = BalanceController(cfg, layout, resizer, trainer)
     if cfg.device.profile:

@@ -46,8 +46,13 @@ from megahet.tensor_parallel.plan import BlockKey, RankKey, ResizePlan, block_na
 class ResizeController(StepHook):
     checkpointed = True
 
-    def __init__(self, cfg: MegahetConfig, model, layout: ParallelLayout, num_microbatches: int):
+    def __init__(
+        self, cfg: MegahetConfig, model, layout: ParallelLayout, num_microbatches: int, seq_length: int = 0
+    ):
+        """`seq_length`: the attention's sequence length, what migration weighs a head's work by against an
+        MLP unit's (`Block.unit_work`); 0: by its GEMMs alone."""
         r = cfg.resize
+        self.seq_length = seq_length
         self.cfg, self.layout, self.seed = r, layout, cfg.train.seed
         self._replan = False  # the balancer asked for a new plan at the next step
         self.gammas = parse_rank_gammas(r.gamma, layout.dp_size, layout.tp_size)
@@ -152,7 +157,10 @@ class ResizeController(StepHook):
             if self.executor.track_gradients:
                 self._gather_scores()
             self._migrated = plan_migration(
-                self.units, self.moves, platform.unit_multiple(self.cfg.unit_multiple)
+                self.units,
+                self.moves,
+                platform.unit_multiple(self.cfg.unit_multiple),
+                self.executor.unit_work(self.seq_length) if self.moves else None,
             )
             dropped = plan_resize(
                 self.units,

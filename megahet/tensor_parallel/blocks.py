@@ -123,6 +123,21 @@ class Block:
     def layers(self) -> list:
         return [m for m in (self.column, self.row, self.attention) if m is not None]
 
+    def unit_work(self, seq_length: int) -> float:
+        """One unit's forward FLOPs per token: its GEMM rows and columns (2 x hidden each), with
+        grouped-query attention its share of its group's key/value rows, and attention's QK^T and AV over
+        sequences of `seq_length` (packed documents: their buffer's, an upper bound). From shapes alone,
+        so every rank of a TP group gets the same number (`plan_migration` runs on each) at every step,
+        and a resumed run the same plan."""
+        hidden = self.column.weight.shape[1]
+        rows = self.column_width * self.column_groups + self.row_width
+        if self.query_groups:
+            rows += 2 * self.column_width * self.query_groups / self.num_units
+        work = 2.0 * hidden * rows
+        if self.attention is not None:
+            work += 4.0 * seq_length * self.attention.hidden_size_per_attention_head
+        return work
+
     @property
     def executed_flops(self) -> int:
         """Forward FLOPs executed so far (GEMMs of the computed units, attention's QK^T and AV)."""

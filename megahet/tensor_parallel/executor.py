@@ -144,6 +144,10 @@ class ResizeExecutor:
     def block_units(self) -> dict[BlockKey, int]:
         return {key: block.num_units for key, block in self.blocks.items()}
 
+    def unit_work(self, seq_length: int) -> dict[BlockKey, float]:
+        """Per block, one unit's forward FLOPs per token (`Block.unit_work`)."""
+        return {key: block.unit_work(seq_length) for key, block in self.blocks.items()}
+
     def executed_flops(self) -> int:
         """Forward GEMM FLOPs executed by this rank's resizable blocks since construction."""
         return sum([layer.executed_flops for layer in self._flop_layers])

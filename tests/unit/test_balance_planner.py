@@ -167,6 +167,45 @@ def test_plan_migration_rounds_balancer_targets_per_dp_replica():
     assert migrated[("mlp", 1)][(1, 0)] == {1: tuple(range(8, 16))}
 
 
+def _kept_work(migrated, units, unit_work, rank) -> float:
+    """Rank's computed work in a layer over its even share (own units kept plus hosted, by unit work)."""
+    computed = 0.0
+    for block, n in units.items():
+        entry = migrated[block]
+        sent = sum(len(u) for u in entry.get(rank, {}).values())
+        hosted = sum(len(u) for owner in entry.values() for h, u in owner.items() if h == rank[1])
+        computed += (n - sent + hosted) * unit_work[block]
+    return computed / sum(n * unit_work[b] for b, n in units.items())
+
+
+def test_the_mlp_absorbs_the_rounding_of_whole_heads():
+    """Issue 47: 2 heads and 256 MLP units per rank (the ViT of test_balance_e2e at TP=2), rank 1 to keep
+    0.4 of its work. Per block, it keeps 1 head of 2 (0.5) and 0.4 of its MLP: 0.44 of its layer's work
+    with a head worth 76 MLP units. With the unit work, the MLP keeps less by what the head kept too many,
+    and the layer's work is the target within one MLP unit; without it, 0.04 off."""
+    units = {("attn", 1): 2, ("mlp", 1): 256}
+    unit_work = {("attn", 1): 39168.0, ("mlp", 1): 512.0}  # 8 h hn + 4 s hn; 4 h (h 128, hn 32, s 50)
+    moves = {(0, 1): {0: 0.6}}
+    per_block = _kept_work(plan_migration(units, moves), units, unit_work, (0, 1))
+    carried = _kept_work(plan_migration(units, moves, unit_work=unit_work), units, unit_work, (0, 1))
+    one_mlp_unit = unit_work[("mlp", 1)] / sum(n * unit_work[b] for b, n in units.items())
+    assert per_block == pytest.approx(0.44, abs=0.01)
+    assert carried == pytest.approx(0.4, abs=one_mlp_unit)
+    assert _kept_work(plan_migration(units, moves, unit_work=unit_work), units, unit_work, (0, 0)) == (
+        pytest.approx(1.6, abs=one_mlp_unit)
+    )
+
+
+def test_the_rounding_carry_never_turns_a_helper_into_an_owner():
+    """A small move whose heads round the other way: the MLP takes off what it can, and no unit flows from
+    the helper to the owner."""
+    units = {("attn", 1): 2, ("mlp", 1): 4}
+    unit_work = {("attn", 1): 100.0, ("mlp", 1): 1.0}
+    migrated = plan_migration(units, {(0, 1): {0: 0.3}}, unit_work=unit_work)
+    assert migrated[("attn", 1)] == {(0, 1): {0: (1,)}}  # a head: 0.5 moved for 0.3
+    assert (0, 0) not in migrated[("mlp", 1)]
+
+
 def test_speed_estimator_errors():
     est = SpeedEstimator(tp_size=2)
     with pytest.raises(ValueError, match="no speed sample"):

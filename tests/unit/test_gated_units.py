@@ -5,7 +5,9 @@ treat the two fc1 rows as one unit.
 - zero: a dropped unit's gate, up and fc2 gradients are exactly 0, kept units' are not;
 - average: a dropped unit's gate / up / fc2 gradient is the mean of the kept units' gate / up / fc2;
 - same: a dropped unit's gradient is the one of the last step that computed it;
-- AdamW with weight decay under zero imputation leaves a dropped unit's gate and up rows untouched.
+- AdamW with weight decay under zero imputation leaves a dropped unit's gate and up rows untouched;
+- a unit's work (`Block.unit_work`, what migration rounds by) is the FLOPs its block executes per unit
+  and token, for SwiGLU MLPs and grouped-query heads as for the plain ones.
 (Layer-level parity with megatron-core's SwiGLU MLP is in test_resize_layers.py.)
 
 Run: ``python -m pytest tests/unit/test_gated_units.py -q``
@@ -13,8 +15,9 @@ Run: ``python -m pytest tests/unit/test_gated_units.py -q``
 
 from __future__ import annotations
 
+import pytest
 import torch
-from resize_gpt import FFN, SEED, batches, gpt, step  # noqa: F401  (SEED seeds world1)
+from resize_gpt import FFN, HN, MICRO, SEED, SEQ, batches, gpt, step  # noqa: F401  (SEED seeds world1)
 from resize_gpt import plan_of as _plan
 
 from megahet.tensor_parallel.blocks import find_blocks
@@ -105,3 +108,17 @@ def test_adamw_leaves_dropped_swiglu_units_untouched(world1) -> None:
             assert torch.equal(parts(now, u)[name], parts(moments, u)[name]), (name, u)
     kept = next(u for u in range(FFN) if u not in DROPPED)
     assert all(not torch.equal(t, parts(before, kept)[n]) for n, t in parts(after, kept).items())
+
+
+@pytest.mark.parametrize("overrides", [{}, {**SWIGLU, "model.num_query_groups": 2}], ids=["gpt", "llama"])
+def test_a_units_work_is_what_its_block_executes_per_unit_and_token(world1, overrides) -> None:
+    """After one forward, each block's executed FLOPs over (units x tokens) is its `unit_work()`: GEMM
+    rows and columns, the shared key/value rows' share and the attention scores included."""
+    model = gpt(**overrides)
+    blocks = find_blocks(model)
+    b = batches(0, 1)[0]
+    model(b["tokens"], torch.arange(SEQ).expand(MICRO, SEQ), None, labels=b["labels"])
+    for key, block in blocks.items():
+        per_unit_token = block.executed_flops / (block.num_units * MICRO * SEQ)
+        assert block.unit_work(SEQ) == pytest.approx(per_unit_token, rel=1e-9), key
+    assert blocks[("attn", 1)].unit_work(SEQ) - blocks[("attn", 1)].unit_work(0) == 4 * HN * SEQ

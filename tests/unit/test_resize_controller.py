@@ -12,7 +12,9 @@ import copy
 import pytest
 import torch
 from resize_gpt import (
+    HN,
     SEED,  # noqa: F401  (the world1 fixture seeds this module's world with it)
+    SEQ,
     backward,
     batches,
     gpt,
@@ -149,3 +151,18 @@ def test_priority_statistics_sample_one_step_in_score_interval(world1) -> None:
 
     assert counts_after_7_steps(1) == 7
     assert counts_after_7_steps(3) == 3  # steps 0, 3, 6
+
+
+def test_migration_is_planned_by_unit_work_of_the_attention_sequence(world1, monkeypatch) -> None:
+    """Issue 47: the controller hands `plan_migration` every block's unit work at the task's sequence
+    length, so that a layer's MLP absorbs its whole heads' rounding (the policy: test_balance_planner.py)."""
+    from megahet.runtime import resizer
+
+    seen = []
+    monkeypatch.setattr(resizer, "plan_migration", lambda *args: seen.append(args) or {})
+    ctrl = ResizeController(load_config([]), gpt(), current_layout(), num_microbatches=2, seq_length=SEQ)
+    ctrl.moves = {(0, 0): {1: 0.5}}  # as a TP=2 balancer's target would set it
+    ctrl.before_forward_backward(0)
+    unit_work = seen[-1][3]
+    assert unit_work == ctrl.executor.unit_work(SEQ)
+    assert unit_work[("attn", 1)] == ctrl.executor.unit_work(0)[("attn", 1)] + 4 * HN * SEQ  # the scores

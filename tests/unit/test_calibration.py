@@ -8,6 +8,12 @@ constants -> every plan's prediction.
 - Bad profiles are one-line errors; benchmarks/plan_accuracy.py's device profile follows the plan's
   node order.
 
+The synthetic profile and the expected predictions are written here from textbook formulas (a layer's
+24 h^2 + 2 s h forward FLOPs per token, a ring all-reduce's 2 (n - 1) / n of the bytes, the GPT's
+parameters counted by hand), never with the cost model's own functions (issue 49: with them, a cost
+model 10x off in its all-reduce left these tests passing). `test_the_tests_catch_a_wrong_cost_model`
+makes that mistake on purpose.
+
 Run: ``python -m pytest tests/unit/test_calibration.py -q`` (a second).
 """
 
@@ -23,26 +29,46 @@ from megahet.config import ConfigError, MegahetConfig, apply_overrides
 from megahet.layout_plan import read_calibration
 from megahet.policy.calibration import Calibration, Profile, fit_calibration
 from megahet.policy.cluster import parse_cluster
-from megahet.policy.layout_cost import ELEMENT_BYTES, STATE_BYTES, ModelShape, all_reduce_seconds
+from megahet.policy.layout_cost import ELEMENT_BYTES, STATE_BYTES, ModelShape
 from megahet.policy.layout_search import TrainSetting, evaluate
 
-SHAPE = ModelShape(layers=4, hidden=64, heads=4, query_groups=4, ffn=256, seq=32, vocab=1024)
+L, H, S, V = 4, 64, 32, 1024  # layers, hidden (4 heads, ffn 4 h), sequence, vocabulary
+SHAPE = ModelShape(layers=L, hidden=H, heads=4, query_groups=4, ffn=4 * H, seq=S, vocab=V)
 TFLOPS, GBPS = 0.01, 2.0
 TRUE = {"efficiency": 0.8, "extra_per_sample": 0.004, "latency": 0.0015, "step": 0.12}
+FORWARD_FLOPS_PER_TOKEN = 24 * H * H + 2 * S * H
+"""Narayanan et al.: 24 h^2 per token for the projections and a 4h MLP, and 4 s h for the scores and
+values, of which a causal kernel computes half."""
+
+
+def _ring(nbytes: float, ranks: int) -> float:
+    """A ring all-reduce: every rank sends and receives 2 (n - 1) / n of the bytes over its link."""
+    return 2 * (ranks - 1) / ranks * nbytes / (GBPS * 1e9) if ranks > 1 else 0.0
+
+
+def _rank_params(tp: int) -> int:
+    """Every parameter of the 4-layer GPT on one of `tp` ranks (one stage, tied embedding): per layer QKV
+    3 h^2 + 3 h and fc1 4 h^2 + 4 h split with their biases, the projection h^2 and fc2 4 h^2 split
+    without theirs (2 h, replicated, with the two LayerNorms' 4 h); the word embedding V h split, the
+    learned positions S h and the final LayerNorm 2 h."""
+    split, replicated = 12 * H * H + 7 * H, 6 * H
+    return L * (split // tp + replicated) + V * H // tp + S * H + 2 * H
+
+
+def _layer_s(micro_batch: int, tp: int) -> float:
+    """One layer's forward and backward (3x the forward FLOPs) on one micro-batch, on one of `tp` ranks."""
+    return 3 * FORWARD_FLOPS_PER_TOKEN * S * micro_batch / tp / (TRUE["efficiency"] * TFLOPS * 1e12)
 
 
 def _trace(tp: int, dp: int, micro_batch: int, microbatches: int, steps: int = 6) -> list[dict]:
     """Trace rows a run with the TRUE constants would write (every rank alike)."""
-    passes = SHAPE.layers * microbatches
-    layer = 3 * SHAPE.layer_flops(SHAPE.seq * micro_batch) / tp / (TRUE["efficiency"] * TFLOPS * 1e12)
-    layers_s = passes * layer
+    passes = L * microbatches
+    layers_s = passes * _layer_s(micro_batch, tp)
     compute = layers_s + microbatches * TRUE["extra_per_sample"] * micro_batch / tp
-    activation = ELEMENT_BYTES["fp32"] * SHAPE.seq * micro_batch * SHAPE.hidden
-    wait = 4 * passes * (TRUE["latency"] + all_reduce_seconds(activation, tp, GBPS)) if tp > 1 else 0.0
-    params = SHAPE.rank_params(tp, SHAPE.layers, first=True, last=True)
-    sync = (TRUE["latency"] if tp > 1 else 0.0) + all_reduce_seconds(
-        params * STATE_BYTES["fp32"][1], dp, GBPS
-    )
+    activation = 4 * S * micro_batch * H  # fp32 bytes
+    wait = 4 * passes * (TRUE["latency"] + _ring(activation, tp)) if tp > 1 else 0.0
+    gradients = 4 * _rank_params(tp)  # fp32
+    sync = (TRUE["latency"] if tp > 1 else 0.0) + _ring(gradients, dp)
     sync = sync if dp > 1 else 0.0  # one replica reduces nothing
     step = compute + wait + sync + TRUE["step"]
     cell = lambda v: [[v] * tp for _ in range(dp)]
@@ -89,10 +115,8 @@ def test_a_calibrated_plan_predicts_the_profiles_own_arithmetic() -> None:
     )  # fmt: skip
     setting = TrainSetting(global_batch=16, micro_batches=(2,), precision="fp32", calibration=cal)
     plan = evaluate(cluster, SHAPE, setting, tp=1, pp=1, micro_batch=2, zero_stage=1, node_order=(0, 1))
-    layer = 3 * SHAPE.layer_flops(SHAPE.seq * 2) / (TRUE["efficiency"] * TFLOPS * 1e12)
-    per_micro = SHAPE.layers * layer + 2 * TRUE["extra_per_sample"]
-    params = SHAPE.rank_params(1, SHAPE.layers, first=True, last=True)
-    sync = TRUE["latency"] + all_reduce_seconds(params * STATE_BYTES["fp32"][1], 4, GBPS)
+    per_micro = L * _layer_s(2, 1) + 2 * TRUE["extra_per_sample"]
+    sync = TRUE["latency"] + _ring(4 * _rank_params(1), 4)
     assert plan.step_s == pytest.approx(2 * per_micro + sync + TRUE["step"])
     tp2 = evaluate(cluster, SHAPE, setting, tp=2, pp=1, micro_batch=2, zero_stage=1, node_order=(0, 1))
     uncharged = TrainSetting(global_batch=16, micro_batches=(2,), precision="fp32",
@@ -100,6 +124,38 @@ def test_a_calibrated_plan_predicts_the_profiles_own_arithmetic() -> None:
     free = evaluate(cluster, SHAPE, uncharged, tp=2, pp=1, micro_batch=2, zero_stage=1, node_order=(0, 1))
     # 4 micro-batches per replica x 4 layers x 4 all-reduces, and one DP reduction
     assert tp2.step_s - free.step_s == pytest.approx((4 * 4 * 4 + 1) * TRUE["latency"])
+
+
+def test_the_independent_formulas_are_the_cost_models_inputs() -> None:
+    """The hand-written counts are the shape's (so the fits below compare like with like)."""
+    assert SHAPE.layer_flops(S) == FORWARD_FLOPS_PER_TOKEN * S
+    assert [SHAPE.rank_params(tp, L, first=True, last=True) for tp in (1, 2)] == [
+        _rank_params(1),
+        _rank_params(2),
+    ]
+    assert STATE_BYTES["fp32"][1] == 4 and ELEMENT_BYTES["fp32"] == 4  # the gradients' and activations' bytes
+
+
+@pytest.mark.parametrize(
+    "target, wrong",
+    [
+        ("all_reduce_seconds", lambda f: lambda *a: 10 * f(*a)),
+        ("transformer_layer_flops", lambda f: lambda *a, **k: 2 * f(*a, **k)),
+    ],
+)
+def test_the_tests_catch_a_wrong_cost_model(monkeypatch, target: str, wrong) -> None:
+    """The mutations of issue 49's review: the cost model's all-reduce 10x off, its layer FLOPs 2x off.
+    Its own fit then no longer recovers the constants that made the profile, or its plan no longer
+    predicts the profile's arithmetic."""
+    from megahet.policy import calibration, layout_cost
+
+    module = layout_cost if target == "transformer_layer_flops" else calibration
+    monkeypatch.setattr(module, target, wrong(getattr(module, target)))
+    if module is calibration:
+        monkeypatch.setattr(layout_cost, target, wrong(getattr(layout_cost, target)))
+    with pytest.raises(AssertionError):
+        test_the_fit_recovers_what_made_the_profile(2)
+        test_a_calibrated_plan_predicts_the_profiles_own_arithmetic()
 
 
 def _cfg(tmp_path, profile: str | None, node: int = 0) -> tuple[MegahetConfig, object]:

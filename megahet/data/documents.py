@@ -20,13 +20,12 @@ keeps the corpus's own (plays, books, chapters).
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Literal
 
 import numpy as np
 from megatron.core.datasets.indexed_dataset import get_bin_path
 
-from megahet.data.gpt_data import SPLIT_NAMES, read_sequence_lengths, split_document_ranges
+from megahet.data.gpt_data import SPLIT_NAMES, open_indexed, split_document_ranges
 
 LengthMix = Literal["documents", "web", "code"]
 LENGTH_MIXES = ("documents", "web", "code")
@@ -109,12 +108,15 @@ class DocumentPieces:
             raise ValueError(f"unknown split {name!r}; choose from {', '.join(SPLIT_NAMES)}")
         if mix not in LENGTH_MIXES:
             raise ValueError(f"unknown length mix {mix!r}; choose from {', '.join(LENGTH_MIXES)}")
-        doc_lengths = read_sequence_lengths(data_prefix).astype(np.int64)
         span = split_document_ranges(data_prefix, split)[name]
         if span is None:
             raise ValueError(f"split {name!r} has weight 0 in {split!r}")
         beg, end = span
-        dtype, pointer = _bin_layout(data_prefix, len(doc_lengths), beg)
+        dataset = open_indexed(data_prefix)  # copies only: it closes its memory maps when collected
+        doc_lengths = dataset.sequence_lengths.astype(np.int64)
+        pointer = int(dataset.index.sequence_pointers[beg]) if beg < len(doc_lengths) else 0
+        dtype = dataset.index.dtype
+        del dataset
         mine = doc_lengths[beg:end]
         tokens = np.memmap(
             get_bin_path(data_prefix), dtype=dtype, mode="r", offset=pointer, shape=(int(mine.sum()),)
@@ -128,17 +130,3 @@ class DocumentPieces:
         if len(piece_lengths) == 0:
             raise ValueError(f"split {name!r} of {data_prefix} has no document with a token to predict")
         return cls(tokens, piece_starts, piece_lengths, max_tokens)
-
-
-def _bin_layout(data_prefix: str, n_sequences: int, first: int) -> tuple[type, int]:
-    """(token dtype, byte offset of sequence `first` in the .bin) from the .idx header and pointer table."""
-    from megatron.core.datasets.indexed_dataset import DType, get_idx_path
-
-    with open(get_idx_path(data_prefix), "rb") as f:
-        header = f.read(9 + 8 + 1)
-        dtype = DType.dtype_from_code(header[17])
-        f.seek(9 + 8 + 1 + 8 + 8 + 4 * n_sequences + 8 * first)  # sizes int32 [n], then pointers int64 [n]
-        pointer = int(np.frombuffer(f.read(8), dtype="<i8")[0]) if first < n_sequences else 0
-    if not os.path.isfile(get_bin_path(data_prefix)):
-        raise FileNotFoundError(f"{get_bin_path(data_prefix)} not found")
-    return dtype, pointer

@@ -4,8 +4,9 @@ Role: data.
 
 ``build_gpt_datasets(prefix, tokenizer, seq_length, split="949,50,1", num_samples=(n, m, k))``
 wraps ``BlendedMegatronDatasetBuilder`` + ``GPTDatasetConfig`` and adds the checks megatron-core
-lacks: a missing ``.bin/.idx`` and a split that would receive zero documents (megatron-core
-would loop forever in ``GPTDataset._get_num_epochs``) both raise one-line errors up front.
+lacks: a missing or foreign ``.bin/.idx`` and a split that would receive zero documents (megatron-core
+would loop forever in ``GPTDataset._get_num_epochs``) raise one-line errors up front. The index is read
+by megatron-core's own ``IndexedDataset`` (`open_indexed`), never by hand.
 
 Each sample is a dict of ``tokens`` / ``labels`` (int64 [seq_length], labels = tokens shifted
 by one), ``loss_mask`` (float [seq_length]), ``position_ids`` (int64 [seq_length]) and, when
@@ -19,6 +20,7 @@ The cache (``<prefix folder>/cache`` unless ``cache_dir``) is keyed by a hash of
 from __future__ import annotations
 
 import os
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -28,20 +30,56 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
     parse_and_normalize_split,
 )
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-from megatron.core.datasets.indexed_dataset import get_bin_path, get_idx_path
+from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, IndexedDataset, get_bin_path, get_idx_path
 from megatron.core.datasets.utils import Split
 from megatron.core.tokenizers import MegatronTokenizerBase
 
 SPLIT_NAMES = tuple(s.name for s in Split)  # ("train", "valid", "test")
 
 
-def read_sequence_lengths(data_prefix: str) -> np.ndarray:
-    """Token count per sequence (= per document here) from the ``.idx`` header: int32 [n_seq]."""
-    idx_path = get_idx_path(data_prefix)
+def open_indexed(data_prefix: str) -> IndexedDataset:
+    """megatron-core's ``IndexedDataset`` over ``data_prefix.bin/.idx`` (memory-mapped: its index's dtype,
+    sequence lengths and pointers), with one-line errors for a missing file and for a file that is not an
+    indexed dataset (megatron-core asserts on its magic number and version)."""
+    data_prefix = str(data_prefix)
+    for path in (get_bin_path(data_prefix), get_idx_path(data_prefix)):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"{path} not found; build it: python tools/preprocess_data.py --input corpus.jsonl "
+                f"--output-prefix {data_prefix.removesuffix('_text_document')} "
+                f"--tokenizer-model spm.model --append-eod"
+            )
+    problem = _index_problem(get_idx_path(data_prefix))
+    if problem:
+        raise ValueError(
+            f"{get_idx_path(data_prefix)} is not a megatron-core indexed dataset ({problem}); "
+            f"rebuild it with tools/preprocess_data.py"
+        )
+    return IndexedDataset(data_prefix)
+
+
+def _index_problem(idx_path: str) -> str | None:
+    """What makes a file no megatron-core .idx, checked before megatron-core reads it (its reader asserts,
+    and a half-built IndexedDataset then raises again in its __del__): the magic number and version, and
+    the size its counts call for (header, int32 lengths and int64 pointers per sequence, int64 document
+    indices)."""
     with open(idx_path, "rb") as f:
-        header = f.read(9 + 8 + 1 + 8 + 8)  # magic, version, dtype code, n_sequences, n_documents
-        n_sequences = int(np.frombuffer(header[18:26], dtype="<u8")[0])
-        return np.frombuffer(f.read(4 * n_sequences), dtype="<i4")
+        header = f.read(34)  # magic 9, version 8, dtype code 1, sequences 8, documents 8
+    if len(header) < 34 or header[:9] != _INDEX_HEADER:
+        return "no megatron-core index header"
+    version, _code, sequences, documents = struct.unpack("<QBQQ", header[9:])
+    if version != 1:
+        return f"index version {version}, megatron-core reads 1"
+    if os.path.getsize(idx_path) < 34 + 12 * sequences + 8 * documents:
+        return f"cut short: {sequences} sequences and {documents} documents need more bytes"
+    return None
+
+
+def read_sequence_lengths(data_prefix: str) -> np.ndarray:
+    """Token count per sequence (= per document here), from the index: int32 [n_seq] (a copy: the
+    IndexedDataset closes its memory maps when it is collected)."""
+    dataset = open_indexed(data_prefix)
+    return np.array(dataset.sequence_lengths)  # copied while `dataset` holds the map
 
 
 def split_document_ranges(data_prefix: str, split: str = "949,50,1") -> dict[str, tuple[int, int] | None]:
@@ -87,13 +125,7 @@ def build_gpt_datasets(
     epochs, each a fresh shuffle, to reach it); None means exactly one epoch.
     """
     data_prefix = str(data_prefix)
-    for path in (get_bin_path(data_prefix), get_idx_path(data_prefix)):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(
-                f"{path} not found; build it: python tools/preprocess_data.py --input corpus.jsonl "
-                f"--output-prefix {data_prefix.removesuffix('_text_document')} "
-                f"--tokenizer-model spm.model --append-eod"
-            )
+    open_indexed(data_prefix)  # the one-line errors of a missing or foreign file
     if len(num_samples) != len(SPLIT_NAMES):
         raise ValueError(f"num_samples needs one entry per split {SPLIT_NAMES}, got {num_samples}")
     for name, count in split_document_counts(data_prefix, split).items():

@@ -277,6 +277,28 @@ def test_missing_bin_or_idx_isone_line(prefix: str, tok: SentencePieceTokenizer,
     one_line(err, f"{only_bin}.idx", "python tools/preprocess_data.py")
 
 
+def test_a_foreign_idx_is_one_line(prefix: str, tok: SentencePieceTokenizer, tmp_path: Path) -> None:
+    """An .idx that is not megatron-core's (wrong magic number, or cut short) is named as such, before
+    megatron-core's own assert or a read past its end; the packed documents' reader goes through the same
+    index (megatron-core's IndexedDataset)."""
+    from megahet.data.documents import DocumentPieces
+
+    for name, idx in [
+        ("foreign", b"NOTANIDX\x00" + Path(f"{prefix}.idx").read_bytes()[9:]),
+        ("short", Path(f"{prefix}.idx").read_bytes()[:12]),
+    ]:
+        bad = tmp_path / f"{name}_text_document"
+        Path(f"{bad}.bin").write_bytes(Path(f"{prefix}.bin").read_bytes())
+        Path(f"{bad}.idx").write_bytes(idx)
+        for read in (
+            lambda: build_gpt_datasets(str(bad), tok, SEQ),
+            lambda: DocumentPieces.from_split(str(bad), split="1,0,0", name="train", max_tokens=SEQ),
+        ):
+            with pytest.raises(ValueError) as err:
+                read()
+            one_line(err, f"{bad}.idx", "not a megatron-core indexed dataset", "tools/preprocess_data.py")
+
+
 def test_preprocess_cli(tmp_path: Path, known_docs: list[str], tiny_model: Path, prefix: str) -> None:
     jsonl = tmp_path / "in.jsonl"
     jsonl.write_text("".join(json.dumps({"body": t}) + "\n" for t in known_docs), encoding="utf-8")

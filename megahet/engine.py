@@ -1,4 +1,5 @@
-"""The DeepSpeed engine for a megatron-core model: ds_config, parameter groups and LR schedule.
+"""The DeepSpeed engine for a megatron-core model: ds_config, parameter groups and LR schedule
+(megatron-core's `OptimizerParamScheduler`).
 
 Role: runtime (the DeepSpeed engine).
 
@@ -15,11 +16,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 from typing import Any
 
 import deepspeed
 import torch
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megahet.compat.deepspeed_zero import mark_pipe_replicated
 from megahet.config import ConfigError, MegahetConfig, load_deepspeed_json
@@ -125,26 +126,41 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
             continue
         (decay if decays(name, param.ndim) else no_decay).append(param)
     return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0},
+        {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0},  # wd_mult: megatron-core's scheduler
     ]
 
 
-def lr_lambda(cfg: MegahetConfig):
-    """Linear warmup to lr, then cosine / linear decay to min_lr over the remaining steps."""
-    t = cfg.train
-    floor = t.min_lr / t.lr
+class LRSchedule(OptimizerParamScheduler):
+    """megatron-core's `OptimizerParamScheduler` as DeepSpeed's `lr_scheduler`: linear warmup from 0 over
+    `train.lr_warmup_iters`, then cosine / linear decay (or constant) to `train.min_lr` at
+    `train.train_iters`, exactly as Megatron-LM schedules `--lr-warmup-iters` / `--lr-decay-style` (the
+    first step runs at lr 0 when there is a warmup); weight decay constant, 0 on the no-decay group
+    (`wd_mult`). DeepSpeed calls `step()` once per optimizer step, without megatron-core's `increment`.
+    The current settings win over a checkpoint's (`override_opt_param_scheduler`): a resumed run may
+    train longer or decay to another floor; the step count comes from the checkpoint."""
 
-    def factor(step: int) -> float:
-        if step < t.lr_warmup_iters:
-            return (step + 1) / t.lr_warmup_iters
-        if t.lr_decay_style == "constant":
-            return 1.0
-        progress = min(1.0, (step - t.lr_warmup_iters) / max(1, t.train_iters - t.lr_warmup_iters))
-        shape = 0.5 * (1 + math.cos(math.pi * progress)) if t.lr_decay_style == "cosine" else 1 - progress
-        return floor + (1 - floor) * shape
+    def __init__(self, optimizer, cfg: MegahetConfig):
+        t = cfg.train
+        decay_steps = max(t.train_iters, t.lr_warmup_iters + 1)  # a run may end inside its warmup
+        super().__init__(
+            optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.lr_warmup_iters,
+            lr_decay_steps=decay_steps, lr_decay_style=t.lr_decay_style, start_wd=t.weight_decay,
+            end_wd=t.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant",
+            use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
+        )  # fmt: skip
 
-    return factor
+    def step(self, increment: int = 1) -> None:
+        super().step(increment)
+
+    def load_state_dict(self, state: dict) -> None:
+        """A saved schedule; from checkpoints written before it (torch's LambdaLR of a warmup that began at
+        1 / warmup), its step count, continued one step on (the same learning rate from there)."""
+        self.num_steps = 0  # megatron-core's load steps on by the saved count
+        if "last_epoch" in state:
+            self.step(int(state["last_epoch"]) + 1)
+            return
+        super().load_state_dict(state)
 
 
 def mark_pipeline_copies(model: torch.nn.Module) -> int:
@@ -169,7 +185,7 @@ def build_engine(cfg: MegahetConfig, model: torch.nn.Module, dp_size: int, user_
     if "scheduler" not in ds_config:
 
         def scheduler(optimizer):
-            return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+            return LRSchedule(optimizer, cfg)
 
     engine, _, _, _ = deepspeed.initialize(
         model=model,

@@ -20,15 +20,16 @@ from pathlib import Path
 import pytest
 import torch
 from deepspeed.runtime.config import DeepSpeedConfig
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from one_line import one_line
 
 from megahet.config import ConfigError, MegahetConfig, apply_overrides
 from megahet.config_checks import validate
 from megahet.engine import (
+    LRSchedule,
     build_engine,
     deepspeed_config,
     fold_deepspeed_json,
-    lr_lambda,
     mark_pipeline_copies,
     param_groups,
 )
@@ -357,14 +358,33 @@ def test_build_engine_uses_groups_and_schedule(world1) -> None:
     model = _Toy()
     engine = build_engine(cfg, model, 1, {})
     assert [g["weight_decay"] for g in engine.optimizer.param_groups] == [0.2, 0.0]
-    assert isinstance(engine.lr_scheduler, torch.optim.lr_scheduler.LambdaLR)
-    factor = lr_lambda(cfg)
+    assert isinstance(engine.lr_scheduler, OptimizerParamScheduler)
     lrs = []
-    for _ in range(10):
-        lrs.append(engine.get_lr()[0])
+    for _ in range(11):
+        lrs.append(engine.get_lr())
         engine.lr_scheduler.step()
-    assert lrs == pytest.approx([1e-2 * factor(s) for s in range(10)])
-    assert lrs[0] == pytest.approx(1e-2 / 4)
+    floor = cfg.train.min_lr
+    cosine = [floor + (1e-2 - floor) * 0.5 * (1 + math.cos(math.pi * k / 6)) for k in range(1, 7)]
+    # Megatron-LM's schedule, written out: warmup from 0 over 4 steps, cosine to min_lr at step 10
+    assert [lr[0] for lr in lrs] == pytest.approx([0.0, 2.5e-3, 5e-3, 7.5e-3, 1e-2, *cosine])
+    assert [g["weight_decay"] for g in engine.optimizer.param_groups] == [0.2, 0.0]  # after its steps too
+
+
+def test_checkpoints_of_the_torch_lambda_schedule_load_at_the_same_learning_rate(world1) -> None:
+    """A model states file written before megatron-core's scheduler holds torch's LambdaLR state, whose
+    step k ran at (k + 1) / warmup: it loads as the schedule at k + 1, the same learning rate."""
+    cfg = apply_overrides(
+        MegahetConfig(),
+        {"train.lr": 1e-2, "train.lr_warmup_iters": 4, "train.train_iters": 10, "train.global_batch_size": 2,
+         "train.micro_batch_size": 2},
+    )  # fmt: skip
+    engine = build_engine(cfg, _Toy(), 1, {})
+    engine.lr_scheduler.load_state_dict({"last_epoch": 2, "base_lrs": [1e-2, 1e-2], "_step_count": 3})
+    assert engine.get_lr() == pytest.approx([7.5e-3, 7.5e-3])  # (2 + 1) / 4 of 1e-2
+    saved = engine.lr_scheduler.state_dict()
+    engine.lr_scheduler.step()
+    engine.lr_scheduler.load_state_dict(saved)
+    assert engine.lr_scheduler.num_steps == 3
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -379,7 +399,19 @@ def test_zero1_registers_no_per_parameter_gradient_hooks(world1, stage: int) -> 
     assert len(hooks) == (0 if stage == 1 else len(trained)), len(hooks)
 
 
-# --- lr_lambda() ---------------------------------------------------------------------------------
+# --- LRSchedule: megatron-core's OptimizerParamScheduler ------------------------------------------
+
+
+def _factors(cfg: MegahetConfig, steps: int) -> list[float]:
+    """The learning rate of each optimizer step over train.lr."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([{"params": [param], "wd_mult": 1.0}], lr=cfg.train.lr)
+    schedule = LRSchedule(optimizer, cfg)
+    factors = []
+    for _ in range(steps):
+        factors.append(optimizer.param_groups[0]["lr"] / cfg.train.lr)
+        schedule.step()
+    return factors
 
 
 def _schedule(style: str, **overrides: object) -> list[float]:
@@ -391,14 +423,14 @@ def _schedule(style: str, **overrides: object) -> list[float]:
         "train.lr_decay_style": style,
         **overrides,
     }
-    factor = lr_lambda(_cfg(**settings))
-    return [factor(step) for step in range(130)]
+    return _factors(_cfg(**settings), 130)
 
 
 @pytest.mark.parametrize("style", ["cosine", "linear", "constant"])
 def test_warmup_is_linear_to_peak(style: str) -> None:
+    """Megatron-LM's warmup: step k runs at k / warmup of the peak (the first at 0)."""
     f = _schedule(style)
-    assert f[:10] == pytest.approx([(s + 1) / 10 for s in range(10)])
+    assert f[:10] == pytest.approx([s / 10 for s in range(10)])
     assert f[10] == pytest.approx(1.0)
 
 
@@ -432,5 +464,5 @@ def test_no_warmup_starts_at_peak() -> None:
 
 
 def test_min_lr_is_relative_to_lr() -> None:
-    factor = lr_lambda(_cfg(**{"train.lr": 2e-3, "train.min_lr": 2e-4, "train.train_iters": 50}))
-    assert factor(50) == pytest.approx(0.1)
+    f = _factors(_cfg(**{"train.lr": 2e-3, "train.min_lr": 2e-4, "train.train_iters": 50}), 51)
+    assert f[50] == pytest.approx(0.1)

@@ -126,6 +126,8 @@ class BalanceController(MeasuringHook):
         fastest rank takes for U units, smoothed as the speeds are (`balance.whole_step`)."""
         self.targets = [WorkTarget() for _ in range(layout.dp_size)]
         self.changes = 0
+        self.warm = False
+        """Whether this process has measured a step (its first is a warm-up, not a sample)."""
         self._flops0 = 0.0
         self._efficiency: list[float] = []
         self._due = False
@@ -178,8 +180,10 @@ class BalanceController(MeasuringHook):
         )
         units = [units_of_work(work, t.work(self.layout.tp_size)) for work, t in zip(works, self.targets)]
         for d, (u, busy, fixed) in enumerate(zip(units, busys, fixeds)):
-            self.estimators[d].update(u, busy)
-            self.fixed[d].update(self._fixed_in_units(d, u, busy, fixed))
+            if self.warm:  # a process's first step (lazy initialization, first collectives) is no sample
+                self.estimators[d].update(u, busy)
+                self.fixed[d].update(self._fixed_in_units(d, u, busy, fixed))
+        self.warm = True
         whole = self.cfg.whole_step
         efficiency = [
             compute_efficiency(u, b, f if whole else None, e.phis())

@@ -19,7 +19,11 @@ import statistics
 import pytest
 from harness import torchrun, wait_until_quiet
 
-SLOW_FROM, SLOW_UNTIL, STEPS = 6, 24, 36
+WARM_UP = 3
+"""The first steps of a process are its warm-up (lazy initialization, first allocations): the balancer
+takes no sample of the first, and on a busy host alike ranks read 0.91-0.93 of each other for about
+three (issue 47's busy runs). The calm phase is checked after it."""
+SLOW_FROM, SLOW_UNTIL, STEPS = WARM_UP + 6, WARM_UP + 24, WARM_UP + 36
 SLOW = 0.25  # the straggler's emulated speed: a gap of 0.75
 HEALTHY_GAP = 0.2
 """The test's balance.healthy_gap: far below the straggler's gap, far above what calm ranks measure apart
@@ -108,7 +112,7 @@ def test_plan_returns_to_even_when_the_straggler_recovers(records):
 def test_console_and_wandb_metrics_show_each_ranks_speed_plan_and_efficiency(records):
     by_step = {r["step"]: r for r in records}
     # Measured, not charged: alike ranks agree within a few percent (the calm phase's median).
-    calm = range(3, SLOW_FROM + 1)
+    calm = range(WARM_UP + 3, SLOW_FROM + 1)  # records: the estimates of steps WARM_UP ... SLOW_FROM - 1
     assert _median(by_step, calm, lambda r: r["speed_tp1"]) == pytest.approx(1.0, abs=0.05)
     assert _median(by_step, calm, lambda r: r["balance_eff"]) == pytest.approx(1.0, abs=0.05)
     slow = by_step[SLOW_FROM + 1]

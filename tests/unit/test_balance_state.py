@@ -196,3 +196,25 @@ def test_a_rank_with_more_fixed_work_gets_less_movable_work(mode: str) -> None:
     assert work[1] < 1.0 - 0.2  # 1 s of layers each, 0.5 s more fixed work on rank 1
     if mode == "migrate":
         assert work == pytest.approx([1.25, 0.75])  # whole steps 1.25 + 0.1 = 0.75 + 0.6
+
+
+def test_the_first_step_of_a_process_is_a_warm_up_not_a_sample() -> None:
+    """A window of one sample, planning every step: rank 1's slow first step (lazy initialization on a
+    busy host) would move work on its own; it is not a sample, so alike ranks stay even. After a
+    resume the first step is a warm-up again."""
+    cfg = apply_overrides(
+        MegahetConfig(), {"balance.mode": "migrate", "balance.window": 1, "balance.interval": 1}
+    )
+    ctx = types.SimpleNamespace(times=StepTimes(0.0, 0.0, 0.0), step_t0=time.perf_counter(), shares=(4,))
+    controller = BalanceController(cfg, LAYOUT, _FakeResize(), ctx)
+    for step in range(6):
+        controller.before_forward_backward(step)
+        layers = [1.0, 4.0 if step == 0 else 1.0]
+        controller._pending = (_Gathered(), _rows([1.0, 1.0], layers, [0.0, 0.0]), step, 1.0)
+        assert controller.targets[0].is_even, step
+    resumed = BalanceController(cfg, LAYOUT, _FakeResize(), ctx)
+    resumed.load_state_dict(_checkpoint(controller))
+    resumed.before_forward_backward(6)
+    resumed._pending = (_Gathered(), _rows([1.0, 1.0], [1.0, 4.0], [0.0, 0.0]), 6, 1.0)
+    resumed.before_forward_backward(7)
+    assert resumed.targets[0].is_even

@@ -132,13 +132,16 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
 
 
 class LRSchedule(OptimizerParamScheduler):
-    """megatron-core's `OptimizerParamScheduler` as DeepSpeed's `lr_scheduler`: linear warmup from 0 over
+    """megatron-core's `OptimizerParamScheduler` as DeepSpeed's `lr_scheduler`: linear warmup over
     `train.lr_warmup_iters`, then cosine / linear decay (or constant) to `train.min_lr` at
-    `train.train_iters`, exactly as Megatron-LM schedules `--lr-warmup-iters` / `--lr-decay-style` (the
-    first step runs at lr 0 when there is a warmup); weight decay constant, 0 on the no-decay group
-    (`wd_mult`). DeepSpeed calls `step()` once per optimizer step, without megatron-core's `increment`.
-    The current settings win over a checkpoint's (`override_opt_param_scheduler`): a resumed run may
-    train longer or decay to another floor; the step count comes from the checkpoint."""
+    `train.train_iters`, Megatron-LM's `--lr-warmup-iters` / `--lr-decay-style` curves; weight decay
+    constant, 0 on the no-decay group (`wd_mult`). With a warmup its count starts at 1, so that step k
+    (from 0) runs at (k + 1) / warmup of the peak, as torchtitan's warmup does, and no step runs at lr 0
+    (Megatron-LM's first step does: a weights-only restart's first step would change nothing); the decay
+    then reaches min_lr at the last step. DeepSpeed calls `step()`
+    once per optimizer step, without megatron-core's `increment`. The current settings win over a
+    checkpoint's (`override_opt_param_scheduler`): a resumed run may train longer or decay to another
+    floor; the step count comes from the checkpoint."""
 
     def __init__(self, optimizer, cfg: MegahetConfig):
         t = cfg.train
@@ -149,16 +152,18 @@ class LRSchedule(OptimizerParamScheduler):
             end_wd=t.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant",
             use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
         )  # fmt: skip
+        self.offset = 1 if t.lr_warmup_iters > 0 else 0
+        self.step(self.offset)  # the first step runs at 1 / warmup
 
     def step(self, increment: int = 1) -> None:
         super().step(increment)
 
     def load_state_dict(self, state: dict) -> None:
-        """A saved schedule; from checkpoints written before it (torch's LambdaLR of a warmup that began at
-        1 / warmup), its step count, continued one step on (the same learning rate from there)."""
+        """A saved schedule; from checkpoints written before it (torch's LambdaLR, whose `last_epoch` k ran
+        at (k + 1) / warmup), the same count (the same learning rate from there)."""
         self.num_steps = 0  # megatron-core's load steps on by the saved count
         if "last_epoch" in state:
-            self.step(int(state["last_epoch"]) + 1)
+            self.step(int(state["last_epoch"]) + self.offset)
             return
         super().load_state_dict(state)
 

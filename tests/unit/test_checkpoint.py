@@ -456,8 +456,8 @@ def test_weights_only_load_restarts_the_optimizer(world1, tmp_path: Path) -> Non
     assert loaded.step_hooks[0].count == 0  # hook state starts fresh
     for name, value in _params(loaded).items():
         assert torch.equal(value, weights[name]), name
-    assert loaded.engine.lr_scheduler.num_steps == 0  # the schedule's step 0: warmup starts again
-    assert trainer.engine.lr_scheduler.num_steps == 3
+    assert loaded.engine.lr_scheduler.num_steps == 1  # the schedule's step 0 (1 / warmup): warmup again
+    assert trainer.engine.lr_scheduler.num_steps == 3 + 1
 
     torch.manual_seed(0)
     fresh_model = _Toy()

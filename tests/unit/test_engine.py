@@ -365,8 +365,8 @@ def test_build_engine_uses_groups_and_schedule(world1) -> None:
         engine.lr_scheduler.step()
     floor = cfg.train.min_lr
     cosine = [floor + (1e-2 - floor) * 0.5 * (1 + math.cos(math.pi * k / 6)) for k in range(1, 7)]
-    # Megatron-LM's schedule, written out: warmup from 0 over 4 steps, cosine to min_lr at step 10
-    assert [lr[0] for lr in lrs] == pytest.approx([0.0, 2.5e-3, 5e-3, 7.5e-3, 1e-2, *cosine])
+    # written out: step k at (k + 1) / 4 of the peak over the warmup, then cosine to min_lr at the last step
+    assert [lr[0] for lr in lrs] == pytest.approx([2.5e-3, 5e-3, 7.5e-3, 1e-2, *cosine, floor])
     assert [g["weight_decay"] for g in engine.optimizer.param_groups] == [0.2, 0.0]  # after its steps too
 
 
@@ -428,20 +428,19 @@ def _schedule(style: str, **overrides: object) -> list[float]:
 
 @pytest.mark.parametrize("style", ["cosine", "linear", "constant"])
 def test_warmup_is_linear_to_peak(style: str) -> None:
-    """Megatron-LM's warmup: step k runs at k / warmup of the peak (the first at 0)."""
+    """Step k (from 0) runs at (k + 1) / warmup of the peak: the first step learns too."""
     f = _schedule(style)
-    assert f[:10] == pytest.approx([s / 10 for s in range(10)])
-    assert f[10] == pytest.approx(1.0)
+    assert f[:10] == pytest.approx([(s + 1) / 10 for s in range(10)])  # the peak at step 9
 
 
 def test_cosine_decay_to_min_lr() -> None:
-    f = _schedule("cosine")
+    f = _schedule("cosine")  # the decay starts after the peak at step 9
     floor = 0.1
-    assert f[10 + 25] == pytest.approx(floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi / 4)))
-    assert f[10 + 50] == pytest.approx((1 + floor) / 2)
-    assert f[110] == pytest.approx(floor)
-    assert f[110:] == pytest.approx([floor] * 20)  # stays at min_lr past train_iters
-    decay = f[10:111]
+    assert f[9 + 25] == pytest.approx(floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi / 4)))
+    assert f[9 + 50] == pytest.approx((1 + floor) / 2)
+    assert f[109] == pytest.approx(floor)  # the last of train_iters 110
+    assert f[109:] == pytest.approx([floor] * 21)  # stays at min_lr past train_iters
+    decay = f[9:110]
     assert all(a >= b for a, b in itertools.pairwise(decay))
 
 
@@ -449,13 +448,13 @@ def test_linear_decay_to_min_lr() -> None:
     f = _schedule("linear")
     floor = 0.1
     for k in (0, 25, 50, 75, 100):
-        assert f[10 + k] == pytest.approx(floor + (1 - floor) * (1 - k / 100)), k
+        assert f[9 + k] == pytest.approx(floor + (1 - floor) * (1 - k / 100)), k
     assert f[125] == pytest.approx(floor)
-    assert _schedule("cosine")[10 + 25] > f[10 + 25]  # the two shapes differ
+    assert _schedule("cosine")[9 + 25] > f[9 + 25]  # the two shapes differ
 
 
 def test_constant_after_warmup() -> None:
-    assert _schedule("constant")[10:] == pytest.approx([1.0] * 120)
+    assert _schedule("constant")[9:] == pytest.approx([1.0] * 121)
 
 
 def test_no_warmup_starts_at_peak() -> None:

@@ -5,6 +5,7 @@
     python tools/convert_checkpoint.py export-vit --load vit_ckpt --out vit_dir
     python tools/convert_checkpoint.py reshard --load ckpt --out ckpt_tp4 --tp 4 --pp 1 [--vocab-size V] [--with-optimizer]
     python tools/convert_checkpoint.py reshard --load ckpt --out ckpt_35 --tp 1 --pp 2 --stage-layers 3,5
+    python tools/convert_checkpoint.py import-hf --hf hf_llama --out ckpt --tp 2 --pp 2 [--stage-layers 3,5]
 
 `--load` is a --train.save folder (its `latest`) or one DIR/iter_NNNNNNN. `consolidate` writes one
 unsharded fp32 state dict (TP=1 PP=1 names; torch.load it). `export-hf` writes a GPT2LMHeadModel with
@@ -17,12 +18,17 @@ weights-only checkpoint folder for `pretrain_*.py --train.load OUT --parallel.tp
 `--with-optimizer` the ZeRO optimizer state (fp32 masters, Adam moments and step) and the LR schedule
 carry over too, per parameter (what a resumed run does by itself when its layout changed).
 `--vocab-size` (the tokenizer's vocabulary) is needed only when the GPT vocabulary's padding at the
-new TP is ambiguous (the error says so). See megahet/checkpointing/convert.py and docs/checkpoints.md.
+new TP is ambiguous (the error says so). `import-hf` reads a transformers `LlamaForCausalLM` or
+`GPT2LMHeadModel` folder (config.json, safetensors) into a weights-only checkpoint for TP x PP, and writes
+the model settings it found to OUT/model.json: `pretrain_gpt.py --config OUT/model.json --train.load OUT
+--parallel.tp T --parallel.pp P` trains on from it (megahet/checkpointing/hf_import.py). See
+megahet/checkpointing/convert.py and docs/checkpoints.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -37,6 +43,7 @@ from megahet.checkpointing.convert import (
 )
 from megahet.checkpointing.finder import describe_layout
 from megahet.checkpointing.hf_export import export_hf, export_vit
+from megahet.checkpointing.hf_import import import_hf
 from megahet.config import ConfigError, load_config
 
 
@@ -53,13 +60,18 @@ def _stage_layers(text: str | None) -> tuple[int, ...] | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["consolidate", "export-hf", "export-vit", "reshard"])
-    parser.add_argument("--load", required=True, help="checkpoint folder (DIR or DIR/iter_NNNNNNN)")
+    parser.add_argument("command", choices=["consolidate", "export-hf", "export-vit", "reshard", "import-hf"])
+    parser.add_argument("--load", help="checkpoint folder (DIR or DIR/iter_NNNNNNN); all but import-hf")
+    parser.add_argument("--hf", type=Path, help="import-hf: a transformers save_pretrained folder")
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--tp", type=int, help="reshard: tensor-parallel size of the new checkpoint")
-    parser.add_argument("--pp", type=int, help="reshard: pipeline-parallel size of the new checkpoint")
     parser.add_argument(
-        "--stage-layers", help="reshard: layers per new pipeline stage, L0,L1,... (default: even)"
+        "--tp", type=int, help="reshard / import-hf: tensor-parallel size of the new checkpoint"
+    )
+    parser.add_argument(
+        "--pp", type=int, help="reshard / import-hf: pipeline-parallel size of the new checkpoint"
+    )
+    parser.add_argument(
+        "--stage-layers", help="reshard / import-hf: layers per new pipeline stage, L0,L1,... (default: even)"
     )
     parser.add_argument("--vocab-size", type=int, help="reshard: the tokenizer's vocabulary (GPT), if asked")
     parser.add_argument(
@@ -72,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args, rest = parser.parse_known_args(argv)
     try:
+        if args.command == "import-hf":
+            return _import_hf(args)
+        if args.load is None:
+            raise ConfigError(f"{args.command} needs the checkpoint to read: pass --load DIR")
         given = load_config(rest).model if rest else None
         if given is not None and "model" in find_checkpoint(args.load)[1]:
             print(
@@ -117,6 +133,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     layout = meta["layout"]
     print(f"{args.command}: step {meta['iteration']}, TP {layout['tp']} x PP {layout['pp']} -> {args.out}")
+    return 0
+
+
+def _import_hf(args) -> int:
+    """import-hf: the checkpoint, and OUT/model.json with the model settings a run needs to load it."""
+    if args.hf is None or args.tp is None or args.pp is None:
+        raise ConfigError("import-hf needs the model and the layout: pass --hf DIR --tp N --pp M")
+    checkpoint, meta, seconds = import_hf(
+        args.hf, args.out, args.tp, args.pp, _stage_layers(args.stage_layers)
+    )
+    config = args.out / "model.json"
+    config.write_text(json.dumps({"model": meta["model"]}, indent=1))
+    layout = describe_layout(meta["layout"])
+    print(
+        f"import-hf: {meta['imported_from']['architecture']} from {args.hf} -> {layout} weights-only "
+        f"checkpoint {checkpoint} in {seconds:.2f} s; train on with: pretrain_gpt.py --config {config} "
+        f"--train.load {args.out} --parallel.tp {args.tp} --parallel.pp {args.pp}"
+    )
     return 0
 
 

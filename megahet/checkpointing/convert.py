@@ -330,7 +330,7 @@ def reshard(path: str | Path, out: str | Path, tp: int, pp: int, **options) -> t
     return reshard_into(folder, meta, out, tp, pp, **options)
 
 
-def _resharded(
+def resharded_stages(
     state: dict,
     m: ModelConfig,
     src_tp: int,
@@ -368,7 +368,7 @@ def _optimizer_stages(
     out = [[dict(shared) for _ in range(tp)] for _ in range(pp)]
     for key in TENSOR_KEYS:
         merged = merge_shards([[rank[key] for rank in stage] for stage in per_rank], ShardLayout.of(m))
-        for p, stage in enumerate(_resharded(merged, m, src_tp, tp, pp, vocab, split)):
+        for p, stage in enumerate(resharded_stages(merged, m, src_tp, tp, pp, vocab, split)):
             for t, tensors in enumerate(stage):
                 out[p][t][key] = tensors
     return out
@@ -401,7 +401,7 @@ def reshard_into(
         )
     src = meta["layout"]
     vocab = vocab_size if vocab_size is not None else meta.get("vocab_size")
-    stages = _resharded(state, m, src["tp"], tp, pp, vocab, split)
+    stages = resharded_stages(state, m, src["tp"], tp, pp, vocab, split)
     extra = {
         "model": dataclasses.asdict(m),
         "resharded_from": {"path": str(folder.resolve()), "layout": src},

@@ -126,8 +126,11 @@ the rest shape the weights."""
 
 
 def _shaping_settings(model: dict) -> dict:
-    """A recorded ModelConfig's settings that shape the weights (an unset ffn_hidden_size as its size)."""
+    """A recorded ModelConfig's settings that shape the weights (an unset ffn_hidden_size as its size; with
+    rotary positions the sequence length shapes nothing: a model trains on at another length)."""
     shaping = {k: v for k, v in model.items() if k not in MODEL_SETTINGS_FREE}
+    if shaping.get("position_embedding_type") == "rope":
+        shaping.pop("seq_length", None)
     if shaping.get("ffn_hidden_size") is None and "hidden_size" in shaping:
         shaping["ffn_hidden_size"] = 4 * shaping["hidden_size"]
     return shaping

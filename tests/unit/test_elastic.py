@@ -315,6 +315,17 @@ def test_check_model_allows_free_settings(key: str, value: str) -> None:
     check_model(resume, _cfg(f"--model.{key}", value), 8192)
 
 
+def test_check_model_lets_a_rotary_model_train_at_another_length() -> None:
+    """No position table: an imported Llama (max_position_embeddings 4096) trains on at 1024; a learned
+    table's length stays a shaping setting (above)."""
+    rope = ("--model.position_embedding_type", "rope")
+    check_model(
+        _saved_model(_cfg(*rope, "--model.seq_length", "4096")),
+        _cfg(*rope, "--model.seq_length", "1024"),
+        8192,
+    )
+
+
 def test_check_model_old_checkpoint_without_model_passes() -> None:
     check_model(_resume(_full(1, 1, 1)), _cfg("--model.hidden_size", "64"), 8192)
 

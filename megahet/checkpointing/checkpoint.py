@@ -52,6 +52,7 @@ from megahet.checkpointing.optimizer_state import load_into_engine
 from megahet.checkpointing.safe_load import load_file
 from megahet.compat.deepspeed_checkpoint import engine_loads_with, model_states_file
 from megahet.config import ConfigError, MegahetConfig
+from megahet.data.tokenizer import tokenizer_files
 from megahet.parallel import ParallelLayout
 from megahet.runtime.hooks import StepHook
 
@@ -178,6 +179,9 @@ def _publish(tmp: Path, meta: dict) -> Path:
 
 
 TOKENIZER = "tokenizer.model"
+TOKENIZER_FILES = (TOKENIZER, "tokenizer.json", "tokenizer_config.json")
+"""What a checkpoint may carry of its run's tokenizer (megahet.data.tokenizer.tokenizer_files): a
+SentencePiece model, or a Hugging Face tokenizer.json with its config."""
 """The task's tokenizer model, copied into every checkpoint (export-hf ships it; reshard carries it)."""
 
 
@@ -213,8 +217,9 @@ def save(parts: CheckpointParts, progress: Progress, root: Path | None = None) -
         }
         if parts.vocab_size is not None:  # the tokenizer's: a reshard re-pads it for another TP
             meta["vocab_size"] = parts.vocab_size
-        if parts.tokenizer_model is not None:  # before _publish: listed with its size, checked on load
-            shutil.copyfile(Path(parts.tokenizer_model).expanduser(), tmp / TOKENIZER)
+        if parts.tokenizer_model is not None:  # before _publish: listed with their sizes, checked on load
+            for name, file in tokenizer_files(parts.tokenizer_model).items():
+                shutil.copyfile(file, tmp / name)
         final = _publish(tmp, meta)
         keep = cfg.train.keep_last
         if keep > 0:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from megahet.checkpointing.checkpoint import TOKENIZER, save_weights_only
+from megahet.checkpointing.checkpoint import TOKENIZER_FILES, save_weights_only
 from megahet.checkpointing.finder import LATEST, META
 from megahet.checkpointing.optimizer_state import TENSOR_KEYS, one_adam_step, read_zero_state
 from megahet.checkpointing.safe_load import load_file
@@ -421,7 +421,7 @@ def reshard_into(
         meta=extra,
         optimizer=optimizer_states,
         stage_layers=split,
-        files={TOKENIZER: folder / TOKENIZER} if (folder / TOKENIZER).is_file() else None,
+        files=carried_files(folder),
     )
     new_meta = json.loads((checkpoint / META).read_text())
     return checkpoint, new_meta, time.perf_counter() - t0
@@ -430,7 +430,15 @@ def reshard_into(
 # --- Hugging Face tokenizer -----------------------------------------------------------------------
 
 
+def carried_files(folder: Path) -> dict[str, Path] | None:
+    """The tokenizer files a checkpoint folder carries (TOKENIZER_FILES that are there), for a new one."""
+    files = {name: folder / name for name in TOKENIZER_FILES if (folder / name).is_file()}
+    return files or None
+
+
 def checkpoint_tokenizer(path: str | Path) -> Path | None:
-    """The tokenizer model a checkpoint carries (DIR or DIR/iter_NNNNNNN), or None (saved without one)."""
+    """The tokenizer a checkpoint carries (DIR or DIR/iter_NNNNNNN): its SentencePiece model or its Hugging
+    Face tokenizer.json; None (saved without one)."""
     folder, _ = find_checkpoint(path)
-    return folder / TOKENIZER if (folder / TOKENIZER).is_file() else None
+    files = carried_files(folder) or {}
+    return files.get(TOKENIZER_FILES[0]) or files.get(TOKENIZER_FILES[1])

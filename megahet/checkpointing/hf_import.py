@@ -14,9 +14,9 @@ one-line error before anything is written: rope scaling (YaRN, Llama 3.1's `llam
 sliding-window attention, biases on only some linears (megahet has one switch for all), another head
 size than hidden / heads, another activation. The vocabulary is padded as megahet pads it (to a multiple
 of `model.make_vocab_size_divisible_by` x TP, with copies of the last row, as Megatron's converter pads);
-megahet.json records the real size. A
-SentencePiece `tokenizer.model` in the folder (Llama 2's) travels into the checkpoint; tokenizers that
-exist only as a `tokenizer.json` are not yet read by megahet's data path.
+megahet.json records the real size. The folder's tokenizer travels into the checkpoint as it is: a
+SentencePiece `tokenizer.model` (Llama 2's), or a `tokenizer.json` with its `tokenizer_config.json`
+(GPT-2's, Llama 3's), which megahet's data path reads too (megahet/data/hf_tokenizers.py).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from megahet.checkpointing.checkpoint import TOKENIZER, save_weights_only
-from megahet.checkpointing.convert import check_reshard, repad_vocab, resharded_stages
+from megahet.checkpointing.checkpoint import save_weights_only
+from megahet.checkpointing.convert import carried_files, check_reshard, repad_vocab, resharded_stages
 from megahet.checkpointing.finder import META
 from megahet.config import ConfigError, ModelConfig
 from megahet.models.gpt import padded_vocab_size
@@ -199,7 +199,10 @@ def gpt_from_hf(hf: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.
 
 def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of model.safetensors, or of the shards model.safetensors.index.json lists, in fp32."""
-    from safetensors.torch import load_file
+    try:
+        from safetensors.torch import load_file
+    except ImportError:
+        raise ConfigError('import-hf needs the `safetensors` package: pip install -e ".[hf]"') from None
 
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -263,7 +266,6 @@ def import_hf(
     }
     stages = resharded_stages(state, m, 1, tp, pp, vocab, split)
     folder = Path(folder).expanduser()
-    tokenizer = folder / TOKENIZER
     checkpoint = save_weights_only(
         out,
         stages,
@@ -275,7 +277,7 @@ def import_hf(
             "imported_from": {"path": str(folder.resolve()), "architecture": _architecture(m)},
         },
         stage_layers=split,
-        files={TOKENIZER: tokenizer} if tokenizer.is_file() else None,
+        files=carried_files(folder),
     )
     meta = json.loads((checkpoint / META).read_text())
     return checkpoint, meta, time.perf_counter() - t0

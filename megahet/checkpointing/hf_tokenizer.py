@@ -1,4 +1,5 @@
-"""The run's SentencePiece BPE tokenizer as a Hugging Face `tokenizers` tokenizer.json, with the same ids.
+"""The run's SentencePiece BPE tokenizer as a Hugging Face `tokenizers` tokenizer.json, with the same ids
+(a run that trained with a tokenizer.json exports that one as it is).
 
 Role: tooling (Hugging Face export).
 
@@ -129,6 +130,8 @@ def hf_tokenizer(path: str | Path, model_max_length: int | None = None):
     from transformers import PreTrainedTokenizerFast
 
     path = Path(path).expanduser()
+    if path.suffix == ".json" or path.is_dir():
+        return _json_tokenizer(path, model_max_length)
     proto = _spm_proto(path)
     _check_exportable(proto, path)
     sp = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
@@ -149,6 +152,25 @@ def hf_tokenizer(path: str | Path, model_max_length: int | None = None):
     )
     _check_same_ids(sp, tokenizer, path)
     if model_max_length is not None:  # after the check, whose texts are longer
+        tokenizer.model_max_length = model_max_length
+    return tokenizer
+
+
+def _json_tokenizer(path: Path, model_max_length: int | None):
+    """A run that trained with a Hugging Face tokenizer.json (megahet/data/hf_tokenizers.py) exports it as it
+    is, with the special tokens megahet used: eos its end of document, pad its pad (eos without one)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from megahet.data.hf_tokenizers import HFTokenizer
+
+    tok = HFTokenizer(path)
+    name = {key: tok._tok.id_to_token(i) if i >= 0 else None for key, i in
+            (("bos", tok.bos), ("eos", tok.eos), ("unk", tok.unk), ("pad", tok.pad))}  # fmt: skip
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_file=tok.path, bos_token=name["bos"], eos_token=name["eos"], unk_token=name["unk"],
+        pad_token=name["pad"], clean_up_tokenization_spaces=False,
+    )  # fmt: skip
+    if model_max_length is not None:
         tokenizer.model_max_length = model_max_length
     return tokenizer
 

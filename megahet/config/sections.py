@@ -145,7 +145,8 @@ class DataConfig(_Section):
     data_path: str | None = None
     """GPT: prefix of an existing indexed dataset (<prefix>.bin/.idx); skips preparation."""
     tokenizer_model: str | None = None
-    """GPT: an existing sentencepiece model; required with data_path."""
+    """GPT: an existing sentencepiece model, or a Hugging Face tokenizer.json (or its folder); required with
+    data_path."""
     vocab_size: int = 8192
     """GPT: vocabulary of the tokenizer trained when the data is prepared."""
     split: str = "90,5,5"

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import numpy as np
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
+from megatron.core.tokenizers import MegatronTokenizerBase
 from tqdm import tqdm
 
-from megahet.data.tokenizer import SentencePieceTokenizer
+from megahet.data.tokenizer import load_tokenizer
 
 
 def dataset_prefix(output_prefix: str | os.PathLike[str], json_key: str = "text") -> str:
@@ -46,7 +47,7 @@ def _iter_texts(jsonl_path: str | os.PathLike[str], json_key: str) -> Iterator[s
 def preprocess_jsonl(
     input_path: str | os.PathLike[str],
     output_prefix: str | os.PathLike[str],
-    tokenizer: SentencePieceTokenizer | str | os.PathLike[str],
+    tokenizer: MegatronTokenizerBase | str | os.PathLike[str],
     json_key: str = "text",
     append_eod: bool = True,
     workers: int = 1,
@@ -55,11 +56,12 @@ def preprocess_jsonl(
 ) -> str:
     """Tokenize every document of ``input_path``; return the dataset prefix (no extension).
 
-    ``tokenizer`` is a SentencePieceTokenizer or the path of its ``.model``. ``workers`` is the
-    number of SentencePiece encoding threads (documents are encoded in batches, order kept).
+    ``tokenizer`` is a tokenizer or the path of one (a SentencePiece ``.model`` or a Hugging Face
+    ``tokenizer.json``, `load_tokenizer`). ``workers`` is the number of encoding threads (documents are
+    encoded in batches, order kept).
     """
-    if not isinstance(tokenizer, SentencePieceTokenizer):
-        tokenizer = SentencePieceTokenizer(tokenizer)
+    if not isinstance(tokenizer, MegatronTokenizerBase):
+        tokenizer = load_tokenizer(tokenizer)
     if not Path(input_path).is_file():
         raise FileNotFoundError(
             f"input {input_path} not found; build it: python -m megahet.data.corpus OUT.jsonl"

@@ -4,7 +4,8 @@ Role: data.
 
 ``train_sentencepiece(corpus.jsonl, DIR/spm)`` trains a byte-fallback BPE model (about 1.5 s for
 8k pieces on the ~9 M-character corpus) and writes ``DIR/spm.model`` and ``DIR/spm.vocab``.
-``SentencePieceTokenizer(DIR/spm.model)`` is what ``GPTDatasetConfig.tokenizer`` takes.
+``SentencePieceTokenizer(DIR/spm.model)`` is what ``GPTDatasetConfig.tokenizer`` takes;
+``load_tokenizer(path)`` gives it, or a Hugging Face ``tokenizer.json``'s (megahet/data/hf_tokenizers.py).
 
 Special ids: 0 ``<unk>``, 1 ``<s>``, 2 ``</s>`` (= end of document, ``eod``), 3 ``<pad>``,
 4 ``"\\n"``. Normalization is the identity and whitespace is kept as is, so
@@ -87,6 +88,30 @@ def train_sentencepiece(
         tmp.write_bytes(data)
         os.replace(tmp, path)
     return model_path
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> MegatronTokenizerBase:
+    """The data path's tokenizer for `path`: a Hugging Face tokenizer.json (or a folder holding one) is an
+    `HFTokenizer` (megahet/data/hf_tokenizers.py), anything else a SentencePiece model."""
+    path = Path(path).expanduser()
+    if path.suffix == ".json" or path.is_dir():
+        from megahet.data.hf_tokenizers import HFTokenizer
+
+        return HFTokenizer(path)
+    return SentencePieceTokenizer(path)
+
+
+def tokenizer_files(path: str | os.PathLike[str]) -> dict[str, Path]:
+    """The files a checkpoint carries for the tokenizer at `path`, by the names they take there: a
+    SentencePiece model as tokenizer.model; a tokenizer.json with the tokenizer_config.json beside it."""
+    path = Path(path).expanduser()
+    if path.suffix == ".json" or path.is_dir():
+        from megahet.data.hf_tokenizers import TOKENIZER_CONFIG, TOKENIZER_JSON, tokenizer_json
+
+        file = tokenizer_json(path)
+        files = {TOKENIZER_JSON: file, TOKENIZER_CONFIG: file.with_name(TOKENIZER_CONFIG)}
+        return {name: f for name, f in files.items() if f.is_file()}
+    return {"tokenizer.model": path}
 
 
 class SentencePieceTokenizer(MegatronTokenizerBase):

@@ -6,7 +6,8 @@ machine's load, so they compare across machines and days, and CI holds them to b
         trainer.train_step()
     counts.aten_ops, counts.megahet_calls, counts.host_syncs, counts.cuda_events
 
-- `aten_ops`: ATen operators dispatched (a TorchDispatchMode below autograd: forward, backward, optimizer);
+- `aten_ops`: ATen operators dispatched (a TorchDispatchMode below autograd: forward, backward, optimizer),
+  and per operator (`ops`; `op_differences` ranks where two systems differ);
 - `megahet_calls`: Python function calls into megahet's own code (`sys.setprofile`);
 - `host_syncs`: calls that make the host wait for the device: Tensor.item / .tolist (on a GPU they copy a
   value back), torch.cuda.synchronize, and Event.synchronize / elapsed_time (counted on CPU too, where they
@@ -16,6 +17,7 @@ machine's load, so they compare across machines and days, and CI holds them to b
 
 from __future__ import annotations
 
+import collections
 import sys
 from pathlib import Path
 
@@ -42,9 +44,12 @@ class _OpCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops = 0
+        self.names: collections.Counter[str] = collections.Counter()
+        """Dispatches per operator (aten.add_, c10d.allreduce_, ...): where two systems' counts differ."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
+        self.names[str(func.overloadpacket)] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -95,8 +100,17 @@ class HostCounts:
         self.aten_ops = self._mode.ops
 
     def as_dict(self, steps: int = 1) -> dict[str, float]:
-        """Per step, over `steps` counted steps."""
+        """Per step, over `steps` counted steps (with `ops`: the dispatches per operator)."""
         return {
             "aten_ops": self.aten_ops / steps, "megahet_calls": self.megahet_calls / steps,
             "host_syncs": self.host_syncs / steps, "cuda_events": self.cuda_events / steps,
+            "ops": {name: n / steps for name, n in sorted(self._mode.names.items())},
         }  # fmt: skip
+
+
+def op_differences(
+    ops: dict[str, float], base: dict[str, float], least: float = 1.0
+) -> list[tuple[str, float]]:
+    """(operator, dispatches per step beyond `base`'s), the largest first, where they differ by `least`."""
+    diff = {name: ops.get(name, 0.0) - base.get(name, 0.0) for name in {*ops, *base}}
+    return sorted(((n, d) for n, d in diff.items() if abs(d) >= least), key=lambda item: (-item[1], item[0]))

@@ -22,7 +22,9 @@ dispatched, Python calls into megahet, host syncs, CUDA events recorded; these d
 - `semi`: SEMI at its defaults; `semi_every_step`: SEMI deciding every step (`balance.interval 1`).
 
 `vs_megahet` = the median over rounds of megahet's block / this system's block in the same round (paired:
-a drift of the machine's speed between rounds cancels). Writes benchmarks/results/<name>.{md,json}.
+a drift of the machine's speed between rounds cancels). Writes benchmarks/results/<name>.{md,json}, and
+<name>_ops.md: per operator, what megahet dispatches beyond megatron-core, and measuring and SEMI beyond
+megahet (where the host work goes).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import torch.distributed as dist
 
 from benchmarks.common import RESULTS, save_results, torchrun
 from benchmarks.gpu_throughput import base_args, mcore_step_fn, model_parser, timed_block
-from benchmarks.host_counts import HostCounts
+from benchmarks.host_counts import HostCounts, op_differences
 
 COLUMNS = ["system", "tp", "step_s", "vs_megahet", "aten_ops", "megahet_calls", "host_syncs", "cuda_events"]
 COUNTED_STEPS = 10
@@ -181,6 +183,28 @@ def main(argv: list[str] | None = None) -> None:
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__}  # fmt: skip
     save_results(args.name, rows, COLUMNS, meta)
+    write_op_table(RESULTS / f"{args.name}_ops.md", rows)
+
+
+def write_op_table(path: Path, rows: list[dict], top: int = 30) -> None:
+    """Per TP size, the operators megahet's unbalanced step dispatches more (or fewer) times than plain
+    megatron-core's, and the ones measuring adds to it: where the host work of each goes."""
+    lines = []
+    for tp in sorted({r["tp"] for r in rows}):
+        by = {r["system"]: r["ops"] for r in rows if r["tp"] == tp}
+        for system, base in (("megahet", "mcore"), ("measuring", "megahet"), ("semi", "megahet")):
+            header = f"| operator | extra | {system} | {base} |"
+            lines += [
+                f"### TP {tp}: {system} - {base} (dispatches per step)",
+                "",
+                header,
+                "|---|---|---|---|",
+            ]
+            for name, extra in op_differences(by[system], by[base])[:top]:
+                mine, theirs = by[system].get(name, 0), by[base].get(name, 0)
+                lines.append(f"| {name} | {extra:+.1f} | {mine:.1f} | {theirs:.1f} |")
+            lines.append("")
+    path.write_text("\n".join(lines))
 
 
 def strip_option(argv: list[str], option: str) -> list[str]:

@@ -78,3 +78,22 @@ def test_the_counts_see_the_work(counts):
     _, rows = counts
     assert rows["mcore"]["aten_ops"] > 500 and rows["megahet"]["megahet_calls"] > 100
     assert rows["megahet"]["aten_ops"] > rows["mcore"]["aten_ops"] * 0.8
+    for row in rows.values():  # the per-operator counts add up to the total
+        assert sum(row["ops"].values()) == pytest.approx(row["aten_ops"]), row["system"]
+
+
+def test_the_op_table_ranks_where_two_systems_differ(tmp_path):
+    """benchmarks/host_overhead.py's <name>_ops.md: per operator, the extra dispatches per step, largest
+    first (issue 48: where megahet's plain step spends host work beyond megatron-core's)."""
+    from benchmarks.host_counts import op_differences
+    from benchmarks.host_overhead import write_op_table
+
+    ops = {
+        "mcore": {"aten.add_": 100.0, "aten.mm": 40.0},
+        "megahet": {"aten.mm": 40.0, "aten.copy_": 29.0, "aten.add_": 51.0},
+    }
+    ops["measuring"] = ops["semi"] = {**ops["megahet"], "aten.stack": 2.0}
+    assert op_differences(ops["megahet"], ops["mcore"]) == [("aten.copy_", 29.0), ("aten.add_", -49.0)]
+    write_op_table(tmp_path / "ops.md", [{"system": k, "tp": 1, "ops": v} for k, v in ops.items()])
+    table = (tmp_path / "ops.md").read_text()
+    assert "| aten.copy_ | +29.0 | 29.0 | 0.0 |" in table and "| aten.stack | +2.0 | 2.0 | 0.0 |" in table

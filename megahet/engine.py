@@ -22,6 +22,7 @@ import deepspeed
 import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megahet.compat.deepspeed_norm import install_fused_grad_norm
 from megahet.compat.deepspeed_zero import mark_pipe_replicated
 from megahet.config import ConfigError, MegahetConfig, load_deepspeed_json
 from megahet.parallel import MegatronMpu
@@ -183,7 +184,8 @@ def mark_pipeline_copies(model: torch.nn.Module) -> int:
 
 
 def build_engine(cfg: MegahetConfig, model: torch.nn.Module, dp_size: int, user_ds: dict[str, Any]):
-    """deepspeed.initialize with megatron-core's process groups (the mpu adapter) and our schedule."""
+    """deepspeed.initialize with megatron-core's process groups (the mpu adapter) and our schedule; ZeRO's
+    gradient norm fused (megahet/compat/deepspeed_norm.py)."""
     ds_config = deepspeed_config(cfg, dp_size, user_ds)
     mark_pipeline_copies(model)
     scheduler = None
@@ -199,4 +201,5 @@ def build_engine(cfg: MegahetConfig, model: torch.nn.Module, dp_size: int, user_
         mpu=MegatronMpu(),
         lr_scheduler=scheduler,
     )
+    install_fused_grad_norm(engine.optimizer)  # one fused norm, not a float64 norm per parameter
     return engine

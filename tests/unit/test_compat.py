@@ -200,6 +200,45 @@ def test_zero_to_fp32_gives_the_engines_weights_through_the_given_loader(zero_en
         )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_gradient_norm_is_deepspeeds(zero_engine, dtype) -> None:
+    """megahet's fused norm (megahet/compat/deepspeed_norm.py, installed by build_engine) gives DeepSpeed's
+    own method's norm, pipeline copies skipped alike, in one fused norm instead of a float64 norm per
+    parameter; other norms are DeepSpeed's."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from megahet.compat.deepspeed_norm import fused_grad_norm
+    from megahet.compat.deepspeed_zero import mark_pipe_replicated
+
+    optimizer = zero_engine.optimizer
+    assert optimizer.get_grad_norm_direct.__func__ is fused_grad_norm  # installed on the engine's optimizer
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (7, 300, 1, 64)]
+    mark_pipe_replicated(params[2])
+    grads = [torch.randn(p.numel(), generator=g).to(dtype) * 3 for p in params]
+    theirs = DeepSpeedZeroOptimizer.get_grad_norm_direct(optimizer, grads, params)
+    ours = optimizer.get_grad_norm_direct(grads, params)
+    assert float(ours) == pytest.approx(float(theirs), rel=1e-6), (ours, theirs)
+    inf = float("inf")  # not replaced: DeepSpeed's own
+    assert float(optimizer.get_grad_norm_direct(grads, params, inf)) == float(
+        DeepSpeedZeroOptimizer.get_grad_norm_direct(optimizer, grads, params, inf)
+    )
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Norms(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.norms = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.norms += "norm" in str(func.overloadpacket)
+            return func(*args, **(kwargs or {}))
+
+    with _Norms() as counted:
+        optimizer.get_grad_norm_direct(grads, params)
+    assert counted.norms == 1, counted.norms  # one fused norm for the four gradients
+
+
 def test_deepspeed_gradient_norm_skips_pipeline_copies(zero_engine) -> None:
     """ZeRO-1's gradient norm counts a parameter flagged `ds_pipe_replicated` (megahet's mark for the last
     stage's copy of a tied embedding) zero times."""
@@ -208,7 +247,9 @@ def test_deepspeed_gradient_norm_skips_pipeline_copies(zero_engine) -> None:
     params = [torch.nn.Parameter(torch.zeros(4)) for _ in range(2)]
     mark_pipe_replicated(params[1])
     grads = [torch.full((4,), 1.5), torch.full((4,), 100.0)]
-    norm = float(zero_engine.optimizer.get_grad_norm_direct(grads, params))
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    norm = float(DeepSpeedZeroOptimizer.get_grad_norm_direct(zero_engine.optimizer, grads, params))  # its own
     assert norm == pytest.approx(3.0), (
         f"DeepSpeed's gradient norm no longer skips parameters flagged `ds_pipe_replicated`: {norm}, not 3"
     )

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import GPT_MODEL, compare, read_records, torchrun
+from harness import GPT_MODEL, compare, read_records, torchrun, wait_until_quiet
 from test_checkpoint_resume import _run, killed_launch
 
 STEPS = 8
@@ -47,6 +47,7 @@ PACKED = "--parallel.zero_stage 1 --hetero.dp_shares declared --hetero.speeds 1,
 def runs(tmp_path_factory: pytest.TempPathFactory, gpt_data: list[str]) -> Path:
     out = tmp_path_factory.mktemp("packed_ckpt")
     common = [*COMMON, *gpt_data]
+    (out / "busy").write_text(str(wait_until_quiet(before="the uninterrupted packed run")))
     full = ["--job", _run("full", out, PACKED, save="full")]
     torchrun("workers/ckpt_train.py", 2, ["--out", str(out), *full, "--", *common], cwd=out)
     killed_launch(out, common, PACKED, ckpt="ck")
@@ -73,9 +74,15 @@ def test_packed_resume_continues_with_the_same_documents(runs: Path) -> None:
     )
     # cost_mape is a fraction (0.1 = 10 %). This run is short, its replicas share 2 cores and one is emulated
     # at half speed: measured 0.28 on a quiet host (benchmarks/varlen_cost_fit.py: 2.2 % on its own runs);
-    # a model that does not fit (a wrong sign, a lost term) is off by far more than 0.6
-    print(f"cost model error on unseen steps: {last['cost_mape']:.3f}")
-    assert 0 <= last["cost_mape"] < 0.6 and last["cost_a"] + last["cost_b"] > 0
+    # a model that does not fit (a wrong sign, a lost term) is off by far more than 0.6. The times are the
+    # host's: with other processes on the cores (wait_until_quiet gave up before the run) they scatter, and
+    # the bound is 1.0, which such a model still misses (0.636 measured with a busy process on each core).
+    busy = float((runs / "busy").read_text())
+    bound = 0.6 if busy < 1.0 else 1.0
+    print(
+        f"cost model error on unseen steps: {last['cost_mape']:.3f} (bound {bound}: {busy:.1f} other runnable)"
+    )
+    assert 0 <= last["cost_mape"] < bound and last["cost_a"] + last["cost_b"] > 0
     for key in ("loss", "grad_norm", "lr"):
         actual = torch.tensor([resumed[s][key] for s in steps], dtype=torch.float64)
         expected = torch.tensor([full[s][key] for s in steps], dtype=torch.float64)

@@ -57,6 +57,14 @@ class Profile:
     step_s: tuple[float, ...]
     """Per step: its wall time."""
 
+    @property
+    def ranks(self) -> int:
+        return self.dp * self.tp
+
+    def rank_layers_s(self, rank: int) -> float:
+        """Rank `rank`'s median time in the layers per step (ranks as launched: TP fastest, then DP)."""
+        return statistics.median(self.layers_s[rank :: self.ranks])
+
     @classmethod
     def from_trace_rows(cls, rows: list[dict], layers: int, global_batch: int, skip: int) -> Profile:
         """From `--balance.trace` rows of a PP 1 run (each with `busy_s`, `compute_s`, `wait_s` [dp][tp],
@@ -75,6 +83,20 @@ class Profile:
             tp=len(first["busy_s"][0]), layers_s=_each(kept, "busy_s"), compute_s=_each(kept, "compute_s"),
             wait_s=_each(kept, "wait_s"), step_s=tuple(r["step_s"] for r in kept),
         )  # fmt: skip
+
+
+def node_tflops(profile: Profile, shape: ModelShape, gpus_per_node: int) -> list[float]:
+    """Each node's measured layer rate (TFLOP/s: the FLOPs the cost model counts for the layers over their
+    time) in a profiling run that spans the cluster: PP 1, even shares, `gpus_per_node` ranks per node
+    launched node by node (rank r on node r // gpus_per_node). A node's rate is its ranks' median: the
+    speed it actually ran at, whatever its datasheet says (a tenant sharing it, a throttled card)."""
+    if profile.ranks % gpus_per_node:
+        raise ValueError(f"{profile.ranks} ranks do not fill nodes of {gpus_per_node}: profile whole nodes")
+    flops = 3 * shape.layer_flops(shape.seq * profile.micro_batch) / profile.tp * profile.layers
+    per_rank = [flops * profile.microbatches / profile.rank_layers_s(r) / 1e12 for r in range(profile.ranks)]
+    return [
+        statistics.median(per_rank[n : n + gpus_per_node]) for n in range(0, profile.ranks, gpus_per_node)
+    ]
 
 
 def _each(rows: list[dict], key: str) -> tuple[float, ...]:

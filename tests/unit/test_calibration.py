@@ -27,7 +27,7 @@ from one_line import one_line
 from benchmarks.plan_accuracy import VirtualCluster, chosen
 from megahet.config import ConfigError, MegahetConfig, apply_overrides
 from megahet.layout_plan import read_calibration
-from megahet.policy.calibration import Calibration, Profile, fit_calibration
+from megahet.policy.calibration import Calibration, Profile, fit_calibration, node_tflops
 from megahet.policy.cluster import parse_cluster
 from megahet.policy.layout_cost import ELEMENT_BYTES, STATE_BYTES, ModelShape
 from megahet.policy.layout_search import TrainSetting, evaluate
@@ -105,6 +105,22 @@ def test_the_fit_recovers_what_made_the_profile(tp: int) -> None:
     assert frozen.extra_seconds(micro_batch=2, tflops=TFLOPS / 2, tp=2) == pytest.approx(
         TRUE["extra_per_sample"]
     )
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_node_rates_are_what_each_node_ran_at(gpus: int) -> None:
+    """Node speeds read from a profiling run across the cluster, not declared (issue 49, item 2): two
+    nodes of `gpus` ranks (TP `gpus`, one replica per node), node 1's ranks 2.5x as long in the layers (a
+    tenant sharing their cores). Each node's rate is the layers' FLOPs over its own time; a run whose
+    ranks do not fill whole nodes is refused."""
+    rows = _trace(tp=gpus, dp=2, micro_batch=2, microbatches=3)
+    for row in rows:
+        row["busy_s"][1] = [t * 2.5 for t in row["busy_s"][1]]
+    profile = Profile.from_trace_rows(rows, L, global_batch=2 * 2 * 3, skip=2)
+    rate = TRUE["efficiency"] * TFLOPS  # TFLOP/s: what _layer_s charges
+    assert node_tflops(profile, SHAPE, gpus) == pytest.approx([rate, rate / 2.5], rel=1e-9)
+    with pytest.raises(ValueError, match="whole nodes"):
+        node_tflops(profile, SHAPE, 3)
 
 
 def test_a_calibrated_plan_predicts_the_profiles_own_arithmetic() -> None:

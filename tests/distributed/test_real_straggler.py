@@ -1,8 +1,12 @@
 """A real straggler, no virtual device: two ranks pinned to their own cores (tools/pin_ranks.py) train
 the GPT; part-way through, two busy processes start competing for one rank's core (multi-tenant
-contention: it gets a third of its core): rank 1's, unless outside load already left one rank with less of its core (then that
-rank's, so that the contended rank is the slower one whichever core the machine loads). What each rank
-got of its core is read from the kernel (/proc/PID/schedstat) at every step, and the checks follow it.
+contention: it gets a third of its core): rank 1's, unless outside load already left one rank with less
+of its core (then that rank's, so that the contended rank is the slower one whichever core the machine
+loads). Outside load on the contended core dilutes the tenants (a busy loop there leaves rank 1 half its
+core when calm, and two tenants take it to a quarter, not a third of its peer's): their number is scaled
+by one over the calm share, so that the contention is the planned one on a busy machine too. What each
+rank got of its core is read from the kernel (/proc/PID/schedstat) at every step, and the checks follow
+it.
 - TP=2 with `--balance.mode migrate`: before it, the measured speeds agree within a few percent and the
   balancer changes nothing; after it, rank 1's own compute (collective waits excluded) shows it slow,
   work migrates to rank 0 within a few steps, and its compute falls (the step time is the benchmark's
@@ -42,9 +46,9 @@ kernel moves to the other core (it balances the cores' loads) still leaves the c
 # SEMI under a gap that grows in steps: a tenant at nice 5 from the calm phase's end (rank 1 keeps ~0.7 of
 # its core: mild), then two at nice 0 from GAP_GROWS (~0.3: heavy). Window 3: each phase's plan settles
 # within a few steps.
-MILD_NICE, GAP_GROWS, SEMI_STEPS, SEMI_TOLERANCE = 5, 16, 30, 0.35
+MILD_NICE, GAP_GROWS, SEMI_STEPS, SEMI_TOLERANCE, SEMI_HEALTHY_GAP = 5, 16, 30, 0.35, 0.1
 SEMI_BALANCE = (
-    f"--parallel.tp 2 --balance.mode semi --balance.window 3 --balance.healthy_gap 0.1 "
+    f"--parallel.tp 2 --balance.mode semi --balance.window 3 --balance.healthy_gap {SEMI_HEALTHY_GAP} "
     f"--balance.tolerance {SEMI_TOLERANCE}"
 )
 
@@ -173,6 +177,7 @@ def _contended_run(
     readings: dict[int, list[tuple[float, float]]] = {}  # step -> per rank (on-CPU s, waiting s)
     pids: list[int | None] = [None, None]
     started: list[int] = []  # the step each Tenants started after
+    counts: list[int] = []  # how many busy processes each Tenants started (scaled to outside load)
     slow = 1
     deadline = time.monotonic() + 300
     with contextlib.ExitStack() as contention:
@@ -186,10 +191,13 @@ def _contended_run(
                 if not started:  # the slower rank of the calm phase, if outside load left one slower
                     shares = _shares(readings, 3, step)
                     slow = shares.index(min(shares)) if min(shares) < SKEW * max(shares) else 1
+                    scale = _outside_load_scale(shares[slow])
                 contention.close()  # the last tenants leave as the next arrive
                 now = tenants[len(started)]
-                contention.enter_context(competing_process(cores[slow], now.processes, now.nice))
+                processes = round(now.processes * scale)
+                contention.enter_context(competing_process(cores[slow], processes, now.nice))
                 started.append(step)
+                counts.append(processes)
             time.sleep(0.05)
         finish(proc, cmd, "pretrain_gpt.py", 2, timeout=30)
     if len(started) < len(tenants):
@@ -210,7 +218,9 @@ def _contended_run(
     )
     print(
         f"core shares (schedstat): calm {_fmt(run.calm_shares)} (lowest step {run.calm_lowest:.2f}), "
-        f"contended {_fmt(run.contended_shares)}; rank {slow} contended after step {contended_from}"
+        f"contended {_fmt(run.contended_shares)}; rank {slow} contended after step {contended_from} by "
+        f"{counts[0]} busy process(es)"
+        + (f" (scaled to the outside load: {scale:.2f}x)" if counts[0] != tenants[0].processes else "")
         + "".join(f"; from step {a}: {_fmt(shares)}" for a, shares in run.phases[1:])
         + ("; calm phase disturbed by outside load: calm checks relaxed" if run.disturbed else "")
     )
@@ -220,6 +230,16 @@ def _contended_run(
             f"{_fmt(run.contended_shares)}): no straggler to balance; rerun on a quieter machine"
         )
     return run
+
+
+def _outside_load_scale(calm_share: float) -> float:
+    """How many times the planned tenants the contended core needs so that the contention is what the test
+    plans whatever else the machine runs: outside load that left the rank `calm_share` of its core when calm
+    is worth (1 / calm_share - 1) tenants of its own on each core, and dilutes n planned tenants' effect
+    (the rank over its peer: 1 / (1 + n) quiet, (1 + k) / (1 + k + m) with k outside) unless they become
+    m = n (1 + k) = n / calm_share. At most 3x (a rank left under a third of its core when calm is on a
+    machine too busy to plan contention on; the checks then follow the kernel's shares)."""
+    return 1 / max(calm_share, 1 / 3) if calm_share < CALM_SHARE else 1.0
 
 
 def _shares(readings: dict[int, list[tuple[float, float]]], first: int, last: int) -> list[float]:
@@ -378,8 +398,9 @@ def test_semi_follows_a_real_gap_as_it_grows(semi_run):
     0.47-0.53 of its units to rank 0 and resizes none). The choice follows the current gap, not the first
     decision; in each phase the estimated speed is what the kernel gave the rank (its share of its core
     over the fast rank's). Outside load can make a phase's gap other than planned (a busy loop on the
-    slow core leaves no mild phase): each phase is then held to the choice its measured gap calls for,
-    and a gap within 0.1 of the tolerance to none (said in the log)."""
+    slow core leaves no mild phase; the tenants are scaled to it, but it comes and goes): each phase is
+    then held to the choice its measured gap calls for, and a gap near the tolerance or the healthy gap
+    to none (said in the log; a busy .ci/run measured a mild gap of 0.09, under the healthy 0.1)."""
     run = semi_run
     slow, fast = run.slow, run.fast
     gamma, moved = f"gamma_tp{slow}", f"moved_tp{slow}"
@@ -389,11 +410,11 @@ def test_semi_follows_a_real_gap_as_it_grows(semi_run):
         estimated = statistics.median(r[f"speed_tp{slow}"] for r in settled)
         kernel = shares[slow] / shares[fast]
         gap = 1 - ideal_shares([1.0, estimated])[1]  # the planner's gap of a TP=2 straggler
-        choice = (
-            "resize" if gap < SEMI_TOLERANCE - 0.1 else "migrate" if gap > SEMI_TOLERANCE + 0.05 else None
-        )
+        # near the healthy gap (nothing need move) or the tolerance (either choice is right), no check
+        resize = SEMI_HEALTHY_GAP + 0.05 < gap < SEMI_TOLERANCE - 0.1
+        choice = "resize" if resize else "migrate" if gap > SEMI_TOLERANCE + 0.05 else None
         print(f"after step {start}: kernel share ratio {kernel:.2f}, estimated speed {estimated:.2f}, gap "
-              f"{gap:.2f}: {choice or 'too near the tolerance to check'}")  # fmt: skip
+              f"{gap:.2f}: {choice or 'too near the tolerance or the healthy gap to check'}")  # fmt: skip
         assert abs(estimated - kernel) < 0.15, (start, estimated, kernel)
         if choice == "resize":
             assert all(r[gamma] > 0.03 and r[moved] == 0 for r in settled), settled

@@ -30,8 +30,10 @@ benchmarks/results/plan_accuracy_runs/.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -118,19 +120,41 @@ def chosen(plans: list[Plan], top: int, low: int) -> list[int]:
     return picks
 
 
-def _launch(name: str, nproc: int, args: list[str], steps: int) -> list[dict]:
-    """One pretrain_gpt.py launch; its metrics rows after the start-up steps."""
-    metrics = RUNS / f"{name}.metrics.jsonl"
+def launch(
+    name: str, nproc: int, args: list[str], steps: int, runs: Path = RUNS, cores: list[int] | None = None
+) -> list[dict]:
+    """One pretrain_gpt.py launch (rank r pinned to cores[r] when given: tools/pin_ranks.py); its metrics
+    rows after the start-up steps."""
+    metrics = runs / f"{name}.metrics.jsonl"
     metrics.unlink(missing_ok=True)
     run_args = [
         *args, "--device.rate_gflops", str(RATE_GFLOPS), "--train.train_iters", str(steps),
         "--train.log_interval", "1", "--train.eval_interval", str(10 * steps), "--train.eval_iters", "1",
-        "--logging.wandb", "false", "--logging.metrics_file", str(metrics), "--logging.log_dir", str(RUNS / "logs"),
+        "--logging.wandb", "false", "--logging.metrics_file", str(metrics), "--logging.log_dir", str(runs / "logs"),
     ]  # fmt: skip
-    wall = torchrun("pretrain_gpt.py", nproc, run_args, RUNS / f"{name}.log")
+    if cores is None:
+        wall = torchrun("pretrain_gpt.py", nproc, run_args, runs / f"{name}.log")
+    else:
+        pinned = [str(ROOT / "pretrain_gpt.py"), *run_args]
+        with _environ(MEGAHET_CORES=",".join(map(str, cores))):  # rank r on cores[r]
+            wall = torchrun("tools/pin_ranks.py", nproc, pinned, runs / f"{name}.log")
     print(f"  {name}: {wall:.0f} s", flush=True)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     return [r for r in rows if "step_time_s" in r and r["step"] > PROFILE_START_STEPS]
+
+
+@contextlib.contextmanager
+def _environ(**values: str):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def calibrate(vc: VirtualCluster, cfg: MegahetConfig, vocab: int, steps: int) -> Calibration:
@@ -142,7 +166,7 @@ def calibrate(vc: VirtualCluster, cfg: MegahetConfig, vocab: int, steps: int) ->
         *MODEL, "--parallel.tp", str(tp), "--train.micro_batch_size", "1",
         "--device.profile", "static:" + ",".join(["1"] * vc.world_size), "--balance.trace", str(trace),
     ]  # fmt: skip
-    _launch(f"{vc.name}_profile", vc.world_size, args, steps)
+    launch(f"{vc.name}_profile", vc.world_size, args, steps)
     rows = [json.loads(line) for line in trace.read_text().splitlines()]
     profile = Profile.from_trace_rows(
         rows, cfg.model.num_layers, cfg.train.global_batch_size, PROFILE_START_STEPS
@@ -167,7 +191,7 @@ def bench_cluster(vc: VirtualCluster, top: int, low: int, steps: int) -> tuple[l
         config.write_text(yaml.safe_dump(plan_overrides_yaml(cfg, plan), sort_keys=False))
         args = ["--config", str(config), "--device.profile", vc.device_profile(plan.node_order)]
         measured = statistics.median(
-            r["step_time_s"] for r in _launch(config.stem, vc.world_size, args, steps)
+            r["step_time_s"] for r in launch(config.stem, vc.world_size, args, steps)
         )
         rows.append({
             "cluster": vc.name, "rank": at + 1, "plan": plan.layout, "micro_batch": plan.micro_batch,

@@ -1,0 +1,197 @@
+"""The layout planner against runs on nodes whose speeds are real (issue 49, item 2): no virtual devices.
+
+    python benchmarks/plan_accuracy_real.py                   # both clusters (~8 min on 2 quiet cores)
+    python benchmarks/plan_accuracy_real.py --clusters 2n-t2 --top 2 --low 1
+
+benchmarks/plan_accuracy.py validates on virtual devices, which charge the layers' own FLOP counters at
+a declared rate: the compute part of its error is zero by construction (the planner counts the same
+FLOPs). Here each "node" is one CPU core, its rank pinned to it (tools/pin_ranks.py), and node 1 is
+slow because busy processes share its core (multi-tenant contention: the kernel gives it what it
+gives). Nothing declares a speed:
+
+1. **Calibration**: a profiling run with no tenant (TP 1, PP 1: each node a replica): the two nodes are
+   alike then. Node 0's measured layer rate is the calibration's
+   reference `tflops`.
+2. **Node speeds**: the same profiling run with the tenants on node 1's core. Each node's `tflops` in
+   the cluster description is the layer rate it measured (`megahet.policy.calibration.node_tflops`).
+3. The planner ranks every plan on that description; its `--top` plans and `--low` of its lower half run
+   with the tenants on, each with its nodes launched in its order (ranks pinned to their node's core),
+   and the median step time after the start-up steps is compared with the prediction.
+
+The report sets the error beside the emulated clusters' (benchmarks/results/plan_accuracy.json).
+Writes benchmarks/results/plan_accuracy_real.{md,json,png}; runs' logs in plan_accuracy_real_runs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import pretrain_gpt
+from benchmarks.common import RESULTS, save_results
+from benchmarks.contention import competing_process, two_cores
+from benchmarks.plan_accuracy import COLUMNS, LINK_GBPS, MODEL, chosen, launch, plot, summarize
+from megahet.config import MegahetConfig, load_config
+from megahet.layout_plan import PROFILE_START_STEPS, plan_layouts, plan_overrides_yaml
+from megahet.policy.calibration import Profile, fit_calibration, node_tflops
+from megahet.policy.cluster import Cluster, parse_cluster
+from megahet.policy.layout_cost import ModelShape
+
+RUNS = RESULTS / "plan_accuracy_real_runs"
+
+
+@dataclasses.dataclass(frozen=True)
+class RealCluster:
+    """Two nodes of one rank each: node n is core n (a rank per core: ranks that shared a core would not be
+    devices of their own, issue 49 item 15), node 1 shared with `tenants` busy processes."""
+
+    name: str
+    tenants: int
+    """Busy processes on node 1's core (each in a session of its own: a tenant of the rank's weight)."""
+    gpus: int = 1
+    world_size: int = 2
+
+    def rank_cores(self, node_order: tuple[int, ...], cores: list[int]) -> list[int]:
+        """The core of each global rank: rank r runs on node node_order[r], node n on cores[n]."""
+        return [cores[n] for n in node_order]
+
+    def cluster(self, tflops: list[float]) -> Cluster:
+        """The description with each node's measured rate (docs/planning.md's format), loopback links."""
+        nodes = [
+            {"name": f"core{n}", "gpus": self.gpus, "memory_gib": 16, "tflops": rate,
+             "intra_gbps": LINK_GBPS, "network_gbps": LINK_GBPS}
+            for n, rate in enumerate(tflops)
+        ]  # fmt: skip
+        return parse_cluster({"nodes": nodes}, self.name, "fp32")
+
+
+CLUSTERS = (
+    RealCluster("2n-t1", tenants=1),  # node 1's rank gets ~1/2 of its core
+    RealCluster("2n-t2", tenants=2),  # ~1/3
+)
+
+
+def profile(rc: RealCluster, cfg: MegahetConfig, cores: list[int], steps: int, tag: str) -> Profile:
+    """A profiling run across both nodes (node 0 first), PP 1, TP 1, layers timed (--balance.trace)."""
+    trace = RUNS / f"{rc.name}_{tag}.trace.jsonl"
+    trace.unlink(missing_ok=True)
+    args = [
+        *MODEL, "--parallel.tp", "1", "--train.micro_batch_size", "1",
+        "--balance.trace", str(trace),
+    ]  # fmt: skip
+    launch(f"{rc.name}_{tag}", rc.world_size, args, steps, RUNS, rc.rank_cores((0, 1), cores))
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    return Profile.from_trace_rows(
+        rows, cfg.model.num_layers, cfg.train.global_batch_size, PROFILE_START_STEPS
+    )
+
+
+def bench_cluster(
+    rc: RealCluster, cores: list[int], top: int, low: int, steps: int
+) -> tuple[list[dict], dict]:
+    cfg = load_config(MODEL)
+    vocab = pretrain_gpt.vocab_size(cfg)
+    shape = ModelShape.of(cfg.model, vocab, 1)
+    calm = profile(rc, cfg, cores, steps, "calm")
+    calm_rates = node_tflops(calm, shape, rc.gpus)
+    cal = fit_calibration(
+        calm, shape, reference_tflops=calm_rates[0], precision="fp32",
+        link_gbps=LINK_GBPS,
+    )  # fmt: skip
+    with competing_process(cores[1], rc.tenants):
+        rates = node_tflops(profile(rc, cfg, cores, steps, "speeds"), shape, rc.gpus)
+        speeds = [r / rates[0] for r in rates]
+        plans = plan_layouts(cfg, rc.cluster(rates), vocab, calibration=cal)
+        print(f"{rc.name}: node rates calm {_gflops(calm_rates)}, with {rc.tenants} tenant(s) on node 1 "
+              f"{_gflops(rates)} (speeds {speeds[0]:.2f}, {speeds[1]:.2f}); {len(plans)} plans; {cal}")  # fmt: skip
+        rows = [_run(rc, cfg, plans, at, cores, steps) for at in chosen(plans, top, low)]
+    summary = summarize(rc.name, rows, cal, len(plans))
+    summary.update(calm_tflops=calm_rates, tflops=rates, speeds=speeds)
+    return rows, summary
+
+
+def _run(rc: RealCluster, cfg: MegahetConfig, plans, at: int, cores: list[int], steps: int) -> dict:
+    plan = plans[at]
+    config = RUNS / f"{rc.name}_plan{at + 1:02d}.yaml"
+    config.write_text(yaml.safe_dump(plan_overrides_yaml(cfg, plan), sort_keys=False))
+    metrics = launch(
+        config.stem,
+        rc.world_size,
+        ["--config", str(config)],
+        steps,
+        RUNS,
+        rc.rank_cores(plan.node_order, cores),
+    )
+    measured = statistics.median(r["step_time_s"] for r in metrics)
+    row = {
+        "cluster": rc.name, "rank": at + 1, "plan": plan.layout, "micro_batch": plan.micro_batch,
+        "zero": plan.zero_stage, "node_order": ",".join(map(str, plan.node_order)),
+        "predicted_s": plan.step_s, "measured_s": measured, "error": measured / plan.step_s - 1,
+    }  # fmt: skip
+    print(f"  #{at + 1} {plan.layout} mb {plan.micro_batch} order {row['node_order']}: predicted "
+          f"{plan.step_s:.3f} s, measured {measured:.3f} s ({row['error']:+.1%})", flush=True)  # fmt: skip
+    return row
+
+
+def _gflops(rates: list[float]) -> str:
+    return "/".join(f"{r * 1e3:.2f}" for r in rates) + " GFLOP/s"
+
+
+def emulated() -> dict | None:
+    """The emulated clusters' summary (benchmarks/plan_accuracy.py's last results), if there are any."""
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        meta = json.loads((RESULTS / "plan_accuracy.json").read_text())["meta"]
+        return {"mean_error": meta["mean_error"], "worst_error": meta["worst_error"]}
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clusters", default=",".join(c.name for c in CLUSTERS))
+    parser.add_argument("--top", type=int, default=3, help="the planner's fastest plans to run")
+    parser.add_argument("--low", type=int, default=2, help="plans ranked in the lower half to run")
+    parser.add_argument("--steps", type=int, default=6, help="steps per run (the first 2 are start-up)")
+    args = parser.parse_args(argv)
+    known = {c.name: c for c in CLUSTERS}
+    names = args.clusters.split(",")
+    if unknown := [n for n in names if n not in known]:
+        raise SystemExit(f"--clusters: unknown {unknown}: choose from {sorted(known)}")
+    if args.steps <= PROFILE_START_STEPS:
+        raise SystemExit(f"--steps must be more than the {PROFILE_START_STEPS} start-up steps")
+    cores = two_cores()
+    if cores is None:
+        raise SystemExit("needs two CPU cores (one per node): run it where os.sched_getaffinity has two")
+    RUNS.mkdir(parents=True, exist_ok=True)
+    rows, summaries = [], []
+    for name in names:
+        cluster_rows, summary = bench_cluster(known[name], cores, args.top, args.low, args.steps)
+        rows += cluster_rows
+        summaries.append(summary)
+    meta = {"model": MODEL, "steps": args.steps, "cores": cores, "clusters": summaries}
+    meta["mean_error"] = statistics.mean(abs(r["error"]) for r in rows)
+    meta["worst_error"] = max(abs(r["error"]) for r in rows)
+    meta["emulated"] = emulated()
+    save_results("plan_accuracy_real", rows, COLUMNS, meta)
+    plot(rows, RESULTS / "plan_accuracy_real.png")
+    for s in summaries:
+        print(f"{s['cluster']}: node speeds {s['speeds'][0]:.2f}, {s['speeds'][1]:.2f} (measured); mean error "
+              f"{s['mean_error']:.1%}, worst {s['worst_error']:.1%}; chosen plan {s['chosen_vs_best']:.3f}x "
+              f"the best measured")  # fmt: skip
+    beside = meta["emulated"]
+    print(f"real node speeds: mean error {meta['mean_error']:.1%}, worst {meta['worst_error']:.1%}"
+          + (f"; emulated (plan_accuracy.json): mean {beside['mean_error']:.1%}, worst "
+             f"{beside['worst_error']:.1%}" if beside else ""))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -3,6 +3,7 @@ does the planner predict each plan's step time, and is the plan it ranks first t
 
     python benchmarks/plan_accuracy.py                          # every cluster (~30 min on 2 quiet cores)
     python benchmarks/plan_accuracy.py --clusters 4r-2c --top 2 --low 1 --steps 6
+    python benchmarks/plan_accuracy.py --rescore        # the stored runs against today's cost model
 
 A CPU cluster is made of ranks with emulated speeds (virtual devices, `--device.profile static:...`, one
 speed per global rank; megahet/runtime/devices.py): mixes of 2 and 4 speed classes, for 4 and 8 ranks.
@@ -47,7 +48,7 @@ import pretrain_gpt
 from benchmarks.common import RESULTS, save_results, torchrun
 from megahet.config import MegahetConfig, load_config
 from megahet.layout_plan import PROFILE_START_STEPS, plan_layouts, plan_overrides_yaml
-from megahet.policy.calibration import Calibration, Profile, fit_calibration
+from megahet.policy.calibration import Calibration, Profile, SizePoint, fit_calibration
 from megahet.policy.cluster import Cluster, parse_cluster
 from megahet.policy.layout_cost import ModelShape
 from megahet.policy.layout_search import Plan
@@ -239,13 +240,54 @@ def plot(rows: list[dict], path: Path) -> None:
 COLUMNS = ["cluster", "rank", "plan", "micro_batch", "node_order", "predicted_s", "measured_s", "error"]
 
 
+def rescore(saved: Path = RESULTS / "plan_accuracy.json") -> None:
+    """The stored runs' step times against the current cost model's predictions (the runs do not depend
+    on the model: a model change is checked without running them again). Each cluster's calibration is
+    the stored one; a run whose plan the model no longer makes (another split or shares) is left out, and
+    said. Writes results/plan_accuracy_rescored.{md,json}."""
+    data = json.loads(saved.read_text())
+    cfg = load_config(MODEL)
+    vocab = pretrain_gpt.vocab_size(cfg)
+    known = {c.name: c for c in CLUSTERS}
+    rows = []
+    for summary in data["meta"]["clusters"]:
+        vc = known[summary["cluster"]]
+        stored = dict(summary["calibration"])
+        stored["sizes"] = tuple(SizePoint(**p) for p in stored.get("sizes", ()))
+        plans = plan_layouts(cfg, vc.cluster(), vocab, calibration=Calibration(**stored))
+        made = {(p.layout, p.micro_batch, ",".join(map(str, p.node_order))): p for p in plans}
+        for run in (r for r in data["rows"] if r["cluster"] == vc.name):
+            plan = made.get((run["plan"], run["micro_batch"], run["node_order"]))
+            if plan is None:
+                print(f"{vc.name} #{run['rank']} {run['plan']}: no longer planned (left out)")
+                continue
+            rows.append({**run, "predicted_before_s": run["predicted_s"], "error_before": run["error"],
+                         "predicted_s": plan.step_s, "error": run["measured_s"] / plan.step_s - 1})  # fmt: skip
+    meta = {
+        "from": str(saved), "runs": len(rows), "mean_error": statistics.mean(abs(r["error"]) for r in rows),
+        "worst_error": max(abs(r["error"]) for r in rows),
+        "mean_error_before": statistics.mean(abs(r["error_before"]) for r in rows),
+        "worst_error_before": max(abs(r["error_before"]) for r in rows),
+    }  # fmt: skip
+    save_results("plan_accuracy_rescored", rows, [*COLUMNS, "predicted_before_s", "error_before"], meta)
+    print(f"rescored {len(rows)} runs: mean error {meta['mean_error']:.1%} (before {meta['mean_error_before']:.1%}), "
+          f"worst {meta['worst_error']:.1%} (before {meta['worst_error_before']:.1%})")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clusters", default=",".join(c.name for c in CLUSTERS))
     parser.add_argument("--top", type=int, default=3, help="the planner's fastest plans to run")
     parser.add_argument("--low", type=int, default=2, help="plans ranked in the lower half to run")
     parser.add_argument("--steps", type=int, default=6, help="steps per run (the first 2 are start-up)")
+    parser.add_argument(
+        "--rescore",
+        action="store_true",
+        help="no runs: the stored runs against the current model's predictions",
+    )
     args = parser.parse_args(argv)
+    if args.rescore:
+        return rescore()
     known = {c.name: c for c in CLUSTERS}
     names = args.clusters.split(",")
     unknown = [n for n in names if n not in known]

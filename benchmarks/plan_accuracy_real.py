@@ -9,10 +9,10 @@ FLOPs). Here each "node" is one CPU core, its rank pinned to it (tools/pin_ranks
 slow because busy processes share its core (multi-tenant contention: the kernel gives it what it
 gives). Nothing declares a speed:
 
-1. **Calibration**: a profiling run with no tenant (TP 1, PP 1: each node a replica): the two nodes are
-   alike then. Node 0's measured layer rate is the calibration's
-   reference `tflops`.
-2. **Node speeds**: the same profiling run with the tenants on node 1's core. Each node's `tflops` in
+1. **Calibration**: profiling runs with no tenant (TP 1, PP 1: each node a replica; micro-batches of 1
+   and of 4, for the layers' rate per size): the two nodes are alike then. Node 0's measured layer rate
+   (micro-batch 1) is the calibration's reference `tflops`.
+2. **Node speeds**: the micro-batch 1 profiling run with the tenants on node 1's core. Each node's `tflops` in
    the cluster description is the layer rate it measured (`megahet.policy.calibration.node_tflops`).
 3. The planner ranks every plan on that description; its `--top` plans and `--low` of its lower half run
    with the tenants on, each with its nodes launched in its order (ranks pinned to their node's core),
@@ -48,6 +48,9 @@ from megahet.policy.cluster import Cluster, parse_cluster
 from megahet.policy.layout_cost import ModelShape
 
 RUNS = RESULTS / "plan_accuracy_real_runs"
+CALIBRATION_MICRO_BATCHES = (1, 4)
+"""The calm profiles' micro-batch sizes: larger GEMMs run at a higher rate on this CPU as on a GPU, a
+difference the planner's choice of micro-batch size depends on."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,12 +84,15 @@ CLUSTERS = (
 )
 
 
-def profile(rc: RealCluster, cfg: MegahetConfig, cores: list[int], steps: int, tag: str) -> Profile:
-    """A profiling run across both nodes (node 0 first), PP 1, TP 1, layers timed (--balance.trace)."""
+def profile(
+    rc: RealCluster, cfg: MegahetConfig, cores: list[int], steps: int, tag: str, mb: int = 1
+) -> Profile:
+    """A profiling run across both nodes (node 0 first), PP 1, TP 1, micro-batches of `mb`, layers timed
+    (--balance.trace)."""
     trace = RUNS / f"{rc.name}_{tag}.trace.jsonl"
     trace.unlink(missing_ok=True)
     args = [
-        *MODEL, "--parallel.tp", "1", "--train.micro_batch_size", "1",
+        *MODEL, "--parallel.tp", "1", "--train.micro_batch_size", str(mb),
         "--balance.trace", str(trace),
     ]  # fmt: skip
     launch(f"{rc.name}_{tag}", rc.world_size, args, steps, RUNS, rc.rank_cores((0, 1), cores))
@@ -102,8 +108,8 @@ def bench_cluster(
     cfg = load_config(MODEL)
     vocab = pretrain_gpt.vocab_size(cfg)
     shape = ModelShape.of(cfg.model, vocab, 1)
-    calm = profile(rc, cfg, cores, steps, "calm")
-    calm_rates = node_tflops(calm, shape, rc.gpus)
+    calm = [profile(rc, cfg, cores, steps, f"calm_mb{mb}", mb) for mb in CALIBRATION_MICRO_BATCHES]
+    calm_rates = node_tflops(calm[0], shape, rc.gpus)
     cal = fit_calibration(
         calm, shape, reference_tflops=calm_rates[0], precision="fp32",
         link_gbps=LINK_GBPS,
@@ -116,7 +122,8 @@ def bench_cluster(
               f"{_gflops(rates)} (speeds {speeds[0]:.2f}, {speeds[1]:.2f}); {len(plans)} plans; {cal}")  # fmt: skip
         rows = [_run(rc, cfg, plans, at, cores, steps) for at in chosen(plans, top, low)]
     summary = summarize(rc.name, rows, cal, len(plans))
-    summary.update(calm_tflops=calm_rates, tflops=rates, speeds=speeds)
+    by_size = {mb: node_tflops(c, shape, rc.gpus)[0] for mb, c in zip(CALIBRATION_MICRO_BATCHES, calm)}
+    summary.update(calm_tflops=calm_rates, tflops=rates, speeds=speeds, node0_tflops_by_micro_batch=by_size)
     return rows, summary
 
 

@@ -28,33 +28,40 @@ PROFILE_START_STEPS = 2
 
 
 def read_calibration(cfg: MegahetConfig, cluster: Cluster, vocab_size: int) -> Calibration | None:
-    """The calibration plan.profile measures (None without one); one-line ConfigErrors for a missing or
-    unreadable file, a profile of another layout and a profile_node the cluster lacks."""
+    """The calibration plan.profile measures (None without one): one profiling run's trace, or several
+    (comma-separated, one layout, a micro-batch size each: the efficiency per size). One-line ConfigErrors
+    for a missing or unreadable file, profiles of other layouts and a profile_node the cluster lacks."""
     p = cfg.plan
     if not p.profile:
         return None
-    path = Path(p.profile).expanduser()
-    if not path.is_file():
-        raise ConfigError(
-            f"plan.profile {p.profile} not found: pass the --balance.trace file of a profiling run "
-            f"(docs/planning.md)"
-        )
     if not 0 <= p.profile_node < len(cluster.nodes):
         raise ConfigError(
             f"plan.profile_node {p.profile_node} is not a node of plan.cluster (0..{len(cluster.nodes) - 1})"
         )
+    profiles = [_read_profile(cfg, name.strip()) for name in p.profile.split(",")]
+    node = cluster.nodes[p.profile_node]
+    try:
+        return fit_calibration(
+            profiles, ModelShape.of(cfg.model, vocab_size, 1), reference_tflops=node.tflops,
+            precision=cfg.train.precision, link_gbps=node.intra_gbps,
+        )  # fmt: skip
+    except ValueError as err:
+        raise ConfigError(f"plan.profile {p.profile}: {err}") from None
+
+
+def _read_profile(cfg: MegahetConfig, name: str) -> Profile:
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise ConfigError(
+            f"plan.profile {name} not found: pass the --balance.trace file of a profiling run (docs/planning.md)"
+        )
     try:
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        profile = Profile.from_trace_rows(
+        return Profile.from_trace_rows(
             rows, cfg.model.num_layers, cfg.train.global_batch_size, skip=PROFILE_START_STEPS
         )
     except (ValueError, KeyError, TypeError, IndexError) as err:
-        raise ConfigError(f"plan.profile {p.profile}: not a profiling run's trace ({err})") from None
-    node = cluster.nodes[p.profile_node]
-    return fit_calibration(
-        profile, ModelShape.of(cfg.model, vocab_size, 1), reference_tflops=node.tflops,
-        precision=cfg.train.precision, link_gbps=node.intra_gbps,
-    )  # fmt: skip
+        raise ConfigError(f"plan.profile {name}: not a profiling run's trace ({err})") from None
 
 
 def train_setting(cfg: MegahetConfig, calibration: Calibration | None = None) -> TrainSetting:

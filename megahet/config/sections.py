@@ -366,7 +366,8 @@ class PlanConfig(_Section):
     profile: str | None = None
     """A profiling run's `--balance.trace` file (this model on one node, PP 1, TP 2): calibrates the cost model with
     the layers' measured rate (in place of plan.efficiency), the compute outside them and the per-step
-    time (docs/planning.md)."""
+    time (docs/planning.md). Several files, comma-separated (one layout, a micro-batch size each), give
+    the layers' rate per micro-batch size."""
     profile_node: int = 0
     """The position in the cluster file of the node whose GPUs ran the profile."""
 

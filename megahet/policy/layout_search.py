@@ -155,7 +155,8 @@ def evaluate(
         return None
     cells = _cells(world, tp, dp)
     cal = setting.calibration
-    rate = cal.layer_efficiency if cal is not None else setting.efficiency
+    tokens = micro_batch * shape.seq
+    rate = cal.efficiency(tokens) if cal is not None else setting.efficiency
     layer = [[0.0] * pp for _ in range(dp)]
     extra = [[0.0] * pp for _ in range(dp)]
     for (d, s), ranks in cells.items():
@@ -166,7 +167,7 @@ def evaluate(
             precision=setting.precision, latency_s=setting.latency_s,
         )  # fmt: skip
         if s == pp - 1 and cal is not None:
-            extra[d][s] = cal.extra_seconds(micro_batch, nominal, tp)
+            extra[d][s] = cal.extra_seconds(micro_batch, nominal, tp, tokens)
         elif s == pp - 1:
             extra[d][s] = output_seconds(shape, micro_batch=micro_batch, tp=tp, tflops=nominal * rate)
     layer_s = [max(layer[d][s] for d in range(dp)) for s in range(pp)]
@@ -205,10 +206,20 @@ def evaluate(
             speeds[r] = paces[d] / fastest
     return Plan(
         tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, zero_stage=zero_stage, node_order=node_order,
-        split=split, shares=shares, step_s=replica_s + sync_s + (cal.step_s if cal is not None else 0.0),
+        split=split, shares=shares, step_s=replica_s + sync_s + _per_step(cal, placed, cells),
         memory_fraction=fraction,
         peak_gib=peak / GIB, rank_speeds=tuple(speeds), fullest=fullest,
     )  # fmt: skip
+
+
+def _per_step(cal: Calibration | None, placed: Cluster, cells: dict[tuple[int, int], list[int]]) -> float:
+    """The step's work outside the micro-batches (the calibration's; none without one): on its slowest
+    device's rate (a slow device runs its optimizer step slower too)."""
+    if cal is None:
+        return 0.0
+    return max(
+        cal.step_seconds(placed.nodes[placed.node_of(r)].tflops) for ranks in cells.values() for r in ranks
+    )
 
 
 def _cells(world: int, tp: int, dp: int) -> dict[tuple[int, int], list[int]]:

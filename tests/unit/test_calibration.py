@@ -55,16 +55,24 @@ def _rank_params(tp: int) -> int:
     return L * (split // tp + replicated) + V * H // tp + S * H + 2 * H
 
 
-def _layer_s(micro_batch: int, tp: int) -> float:
+def _layer_s(micro_batch: int, tp: int, efficiency: float = TRUE["efficiency"]) -> float:
     """One layer's forward and backward (3x the forward FLOPs) on one micro-batch, on one of `tp` ranks."""
-    return 3 * FORWARD_FLOPS_PER_TOKEN * S * micro_batch / tp / (TRUE["efficiency"] * TFLOPS * 1e12)
+    return 3 * FORWARD_FLOPS_PER_TOKEN * S * micro_batch / tp / (efficiency * TFLOPS * 1e12)
 
 
-def _trace(tp: int, dp: int, micro_batch: int, microbatches: int, steps: int = 6) -> list[dict]:
+def _trace(
+    tp: int,
+    dp: int,
+    micro_batch: int,
+    microbatches: int,
+    steps: int = 6,
+    efficiency: float = TRUE["efficiency"],
+    extra: float = TRUE["extra_per_sample"],
+) -> list[dict]:
     """Trace rows a run with the TRUE constants would write (every rank alike)."""
     passes = L * microbatches
-    layers_s = passes * _layer_s(micro_batch, tp)
-    compute = layers_s + microbatches * TRUE["extra_per_sample"] * micro_batch / tp
+    layers_s = passes * _layer_s(micro_batch, tp, efficiency)
+    compute = layers_s + microbatches * extra * micro_batch / tp
     activation = 4 * S * micro_batch * H  # fp32 bytes
     wait = 4 * passes * (TRUE["latency"] + _ring(activation, tp)) if tp > 1 else 0.0
     gradients = 4 * _rank_params(tp)  # fp32
@@ -142,6 +150,57 @@ def test_a_calibrated_plan_predicts_the_profiles_own_arithmetic() -> None:
     assert tp2.step_s - free.step_s == pytest.approx((4 * 4 * 4 + 1) * TRUE["latency"])
 
 
+def test_a_slow_node_takes_longer_for_the_work_outside_the_layers() -> None:
+    """A node at half the reference rate runs the extra compute and its optimizer step in twice the time
+    (a real slow device, or a tenant sharing it); virtual devices (extra_follows_rate False) slow only the
+    layers. A DP plan over a fast and a slow node waits for the slow replica's optimizer step."""
+    cal = _fit(tp=1)
+    nodes = [{"name": n, "gpus": 1, "memory_gib": 8, "tflops": t, "intra_gbps": GBPS, "network_gbps": GBPS}
+             for n, t in (("fast", TFLOPS), ("slow", TFLOPS / 2))]  # fmt: skip
+    cluster = parse_cluster({"nodes": nodes}, "test", "fp32")
+    setting = lambda c: TrainSetting(global_batch=16, micro_batches=(2,), precision="fp32", calibration=c)
+    frozen = Calibration(**{**cal.__dict__, "extra_follows_rate": False})
+    plans = [
+        evaluate(cluster, SHAPE, setting(c), tp=1, pp=1, micro_batch=2, zero_stage=1, node_order=(0, 1))
+        for c in (cal, frozen)
+    ]
+    assert cal.step_seconds(TFLOPS / 2) == pytest.approx(2 * TRUE["step"])
+    assert frozen.step_seconds(TFLOPS / 2) == pytest.approx(TRUE["step"])
+    # the shares differ (the extra compute follows the rate, or not), the step's own work by the factor 2
+    assert plans[0].step_s > plans[1].step_s + TRUE["step"] * 0.99
+
+
+def test_several_profiles_give_the_efficiency_per_micro_batch_size() -> None:
+    """Profiles at micro-batch sizes 1 and 4 (larger GEMMs run faster: efficiency 0.5 and 0.8, extra
+    compute 6 and 3 ms per sample): each size gets its own, a size between them the log-tokens mix (2 is
+    halfway from 1 to 4), sizes outside the ends' values; a plan at size 4 is charged size 4's layers.
+    Profiles of different layouts, or of one size twice, are refused."""
+
+    def profile(mb: int, efficiency: float, extra: float, tp: int = 1) -> Profile:
+        rows = _trace(tp, 2, mb, 16 // (2 * mb), efficiency=efficiency, extra=extra)
+        return Profile.from_trace_rows(rows, L, global_batch=16, skip=2)
+
+    small, large = profile(1, 0.5, 0.006), profile(4, 0.8, 0.003)
+    kwargs = {"reference_tflops": TFLOPS, "precision": "fp32", "link_gbps": GBPS}
+    cal = fit_calibration([small, large], SHAPE, **kwargs)
+    assert [cal.efficiency(mb * S) for mb in (1, 2, 4, 8)] == pytest.approx([0.5, 0.65, 0.8, 0.8])
+    assert cal.extra_seconds(2, TFLOPS, tokens=2 * S) == pytest.approx(2 * 0.0045)
+    assert cal.step_s == pytest.approx(TRUE["step"])
+    cluster = parse_cluster(
+        {"nodes": [{"name": "a", "gpus": 1, "memory_gib": 8, "tflops": TFLOPS, "intra_gbps": GBPS, "network_gbps": GBPS}] * 2},
+        "test", "fp32",
+    )  # fmt: skip
+    setting = TrainSetting(global_batch=16, micro_batches=(4,), precision="fp32", calibration=cal)
+    plan = evaluate(cluster, SHAPE, setting, tp=1, pp=1, micro_batch=4, zero_stage=1, node_order=(0, 1))
+    per_micro = L * _layer_s(4, 1, 0.8) + 4 * 0.003
+    sync = _ring(4 * _rank_params(1), 2)
+    assert plan.step_s == pytest.approx(2 * per_micro + sync + TRUE["step"])
+    with pytest.raises(ValueError, match="different layouts"):
+        fit_calibration([small, profile(4, 0.8, 0.003, tp=2)], SHAPE, **kwargs)
+    with pytest.raises(ValueError, match="same micro-batch size"):
+        fit_calibration([small, small], SHAPE, **kwargs)
+
+
 def test_the_independent_formulas_are_the_cost_models_inputs() -> None:
     """The hand-written counts are the shape's (so the fits below compare like with like)."""
     assert SHAPE.layer_flops(S) == FORWARD_FLOPS_PER_TOKEN * S
@@ -192,6 +251,16 @@ def test_a_profile_file_calibrates_the_plan_and_bad_ones_are_one_line_errors(tmp
     cal = read_calibration(cfg, cluster, 1024)
     assert cal is not None and cal.reference_tflops == cluster.nodes[0].tflops and cal.latency_s > 0
     assert cal.step_s == pytest.approx(TRUE["step"])  # one replica: no reduction taken off
+    larger = tmp_path / "profile_mb8.jsonl"  # the same layout at micro-batch 8: the rate per size
+    larger.write_text("\n".join(json.dumps(r) for r in _trace(2, 1, 8, 1, efficiency=0.9)))
+    cfg, cluster = _cfg(tmp_path, f"{good}, {larger}")
+    cfg.train.global_batch_size = 8
+    sized = read_calibration(cfg, cluster, 1024)
+    seq = cfg.model.seq_length  # the config's model (its efficiency, in its FLOPs: compared as a ratio)
+    assert [p.tokens for p in sized.sizes] == [4 * seq, 8 * seq]
+    assert sized.efficiency(8 * seq) / sized.efficiency(4 * seq) == pytest.approx(0.9 / TRUE["efficiency"])
+    other = tmp_path / "profile_tp1.jsonl"
+    other.write_text("\n".join(json.dumps(r) for r in _trace(1, 2, 4, 1)))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"step": 5, "busy_s": [[1.0]]}\n')
     short = tmp_path / "short.jsonl"
@@ -204,6 +273,7 @@ def test_a_profile_file_calibrates_the_plan_and_bad_ones_are_one_line_errors(tmp
         (bad, 0, ("plan.profile", "micro-batch counts")),
         (short, 0, ("plan.profile", "profile more steps")),
         (uneven, 0, ("plan.profile", "uneven")),
+        (f"{good},{other}", 0, ("plan.profile", "different layouts")),
     ]:
         cfg, cluster = _cfg(tmp_path, str(path), node)
         with pytest.raises(ConfigError) as err:

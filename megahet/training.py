@@ -33,6 +33,7 @@ from megahet.failures import (
     record_peers,
 )
 from megahet.logging import TrainingLogger
+from megahet.models.compiled import compile_layers
 from megahet.parallel import ParallelLayout, destroy_parallel, initialize_parallel
 from megahet.platform import cuda_available, device, release_freed_memory
 from megahet.run_plan import RunPlan, plan_run
@@ -91,6 +92,7 @@ def build_trainer(
     if restore is not None and restore.weights is not None:  # the moved weights in, their copy freed
         restore.weights(task.model)
         release_freed_memory(collect=False)
+    compiled = compile_layers(task.model) if cfg.train.compile else 0
     engine = build_engine(cfg, task.model, layout.dp_size, dict(plan.user_ds))
     build_s = torch.tensor([time.perf_counter() - t_build], dtype=torch.float64, device=device())
     dist.all_reduce(build_s, op=dist.ReduceOp.MAX)  # one value on every rank: decisions that use it agree
@@ -101,6 +103,10 @@ def build_trainer(
         f"DP {layout.dp_size}, ZeRO-{cfg.parallel.zero_stage}, {cfg.train.precision}, "
         f"{sum(p.numel() for p in task.model.parameters())} parameters on this rank"
     )
+    if compiled:
+        logger.print(
+            f"megahet: torch.compile: the forward of {compiled} transformer layers (compiled at first use)"
+        )
     trainer = Trainer(cfg, task, engine, layout, logger)
     trainer.plan, trainer.extra_hooks, trainer.build_s = plan, tuple(extra_hooks), float(build_s)
     build_step_hooks(plan, trainer, resplits, extra_hooks)  # sets trainer.step_hooks, in their order

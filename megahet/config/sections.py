@@ -120,6 +120,10 @@ class TrainConfig(_Section):
     seed: int = 1234
     precision: Literal["fp32", "bf16"] = "fp32"
     """fp32 on CPU; bf16 where the device supports it."""
+    compile: bool = False
+    """torch.compile each transformer layer's forward (inductor; megahet/models/compiled.py): fewer Python
+    launches and fused elementwise work per layer. The first steps compile (seconds to minutes); a
+    balancer's new plan recompiles the layers it changes, once."""
     log_interval: int = 10
     eval_interval: int = 100
     eval_iters: int = 10

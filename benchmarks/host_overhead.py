@@ -19,7 +19,9 @@ dispatched, Python calls into megahet, host syncs, CUDA events recorded; these d
   optimizer needs CUDA);
 - `megahet`: megahet's trainer (DeepSpeed ZeRO-1 engine) with no balancer;
 - `measuring`: resizable layers and the balancer's clock, no planning (`--balance.trace`, mode static);
-- `semi`: SEMI at its defaults; `semi_every_step`: SEMI deciding every step (`balance.interval 1`).
+- `semi`: SEMI at its defaults; `semi_every_step`: SEMI deciding every step (`balance.interval 1`);
+- `compiled`, `semi_compiled`: megahet and SEMI with `--train.compile` (each layer's forward under
+  torch.compile, compiled in the warm-up steps).
 
 `vs_megahet` = the median over rounds of megahet's block / this system's block in the same round (paired:
 a drift of the machine's speed between rounds cancels). Writes benchmarks/results/<name>.{md,json}, and
@@ -63,7 +65,20 @@ def systems(args, trace_dir: Path) -> dict[str, list[str]]:
         "measuring": ["--balance.trace", str(trace_dir / "trace.jsonl")],
         "semi": semi,
         "semi_every_step": [*semi, "--balance.interval", "1"],
+        "compiled": ["--train.compile", "true"],
+        "semi_compiled": [*semi, "--train.compile", "true"],
     }
+
+
+def chosen_systems(args, trace_dir: Path) -> dict[str, list[str]]:
+    """The systems `--systems` names (all by default), megahet without a balancer always among them."""
+    every = systems(args, trace_dir)
+    if not args.systems:
+        return every
+    names = ["megahet", *(n for n in args.systems.split(",") if n != "megahet")]
+    if unknown := [n for n in names if n not in every]:
+        raise SystemExit(f"--systems: unknown {unknown}: choose from {sorted(every)}")
+    return {n: every[n] for n in names}
 
 
 def megahet_step(args, extra: list[str]):
@@ -123,7 +138,7 @@ def rank_main(args) -> None:
 
     trace_dir = Path(tempfile.mkdtemp())
     steps, cfg = {}, None
-    for name, extra in systems(args, trace_dir).items():
+    for name, extra in chosen_systems(args, trace_dir).items():
         steps[name], cfg = megahet_step(args, extra)
     vocab = pretrain_gpt.SPEC.vocab_size(cfg)
     if cuda_available():
@@ -164,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default="host_overhead")
     parser.add_argument("--healthy-gap", type=float, help="SEMI's balance.healthy_gap (CI's counts: 0.9, so "
                         "that timing noise never resizes and the counts are the healthy steady state's)")  # fmt: skip
+    parser.add_argument("--systems", help="megahet's systems to run, comma-separated (default: all; megatron-core "
+                        "and megahet always run)")  # fmt: skip
     parser.add_argument("--out", help=argparse.SUPPRESS)  # a rank's results file (set by the launch below)
     args = parser.parse_args(argv)
     if "RANK" in os.environ:  # a rank of the launch below
@@ -193,6 +210,8 @@ def write_op_table(path: Path, rows: list[dict], top: int = 30) -> None:
     for tp in sorted({r["tp"] for r in rows}):
         by = {r["system"]: r["ops"] for r in rows if r["tp"] == tp}
         for system, base in (("megahet", "mcore"), ("measuring", "megahet"), ("semi", "megahet")):
+            if system not in by:
+                continue
             header = f"| operator | extra | {system} | {base} |"
             lines += [
                 f"### TP {tp}: {system} - {base} (dispatches per step)",

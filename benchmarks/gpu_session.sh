@@ -45,7 +45,7 @@ for step in $steps; do
         && cp benchmarks/results/gpu_throughput_sdpa.json "$OUT"/ ;;
     contention) run contention 90 python3 benchmarks/gpu_contention.py \
         && cp benchmarks/results/gpu_contention.json "$OUT"/ ;;
-    host) run host 300 python3 benchmarks/host_overhead.py --arch llama --layers 24 --hidden 1536 --heads 12 \
+    host) run host 420 python3 benchmarks/host_overhead.py --arch llama --layers 24 --hidden 1536 --heads 12 \
         --groups 4 --ffn 4096 --seq 2048 --micro 4 --accum 2 --tp 1 --steps 3 --rounds 4 --name host_overhead_gpu \
         && cp benchmarks/results/host_overhead_gpu.json "$OUT"/ ;;
     *) echo "unknown step $step" ;;

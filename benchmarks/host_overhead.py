@@ -24,8 +24,8 @@ dispatched, Python calls into megahet, host syncs, CUDA events recorded; these d
   torch.compile, compiled in the warm-up steps).
 
 `vs_megahet` = the median over rounds of megahet's block / this system's block in the same round (paired:
-a drift of the machine's speed between rounds cancels). Writes benchmarks/results/<name>.{md,json}, and
-<name>_ops.md: per operator, what megahet dispatches beyond megatron-core, and measuring and SEMI beyond
+a drift of the machine's speed between rounds cancels); `vs_megahet_iqr`, those ratios' quartiles.
+Writes benchmarks/results/<name>.{md,json}, and <name>_ops.md: per operator, what megahet dispatches beyond megatron-core, and measuring and SEMI beyond
 megahet (where the host work goes).
 """
 
@@ -49,7 +49,17 @@ from benchmarks.common import RESULTS, save_results, torchrun
 from benchmarks.gpu_throughput import base_args, mcore_step_fn, model_parser, timed_block
 from benchmarks.host_counts import HostCounts, op_differences
 
-COLUMNS = ["system", "tp", "step_s", "vs_megahet", "aten_ops", "megahet_calls", "host_syncs", "cuda_events"]
+COLUMNS = [
+    "system",
+    "tp",
+    "step_s",
+    "vs_megahet",
+    "vs_megahet_iqr",
+    "aten_ops",
+    "megahet_calls",
+    "host_syncs",
+    "cuda_events",
+]
 COUNTED_STEPS = 10
 """Counted steps per system: a whole period of the sampled priority statistics (resize.score_interval 5)
 and of a reselection (resize.reselect_interval 10), so the counts are the per-step average."""
@@ -160,10 +170,19 @@ def rank_main(args) -> None:
     rows = [
         {"system": name, "tp": args.tp, "step_s": statistics.median(samples),
          "vs_megahet": statistics.median(m / x for m, x in zip(seconds["megahet"], samples)),
+         "vs_megahet_iqr": _quartiles([m / x for m, x in zip(seconds["megahet"], samples)]),
          **counts[name], "block_seconds": samples}
         for name, samples in seconds.items()
     ]  # fmt: skip
     Path(args.out).write_text(json.dumps(rows))
+
+
+def _quartiles(ratios: list[float]) -> str:
+    """The paired ratios' 25th and 75th percentiles ("lo-hi"): how far one round's ratio strays."""
+    if len(ratios) < 4:
+        return ""
+    q = statistics.quantiles(ratios, n=4)
+    return f"{q[0]:.3f}-{q[2]:.3f}"
 
 
 def main(argv: list[str] | None = None) -> None:

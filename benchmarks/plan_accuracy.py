@@ -31,13 +31,13 @@ benchmarks/results/plan_accuracy_runs/.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
 import statistics
 import sys
 from pathlib import Path
+from unittest import mock
 
 import yaml
 
@@ -137,25 +137,11 @@ def launch(
         wall = torchrun("pretrain_gpt.py", nproc, run_args, runs / f"{name}.log")
     else:
         pinned = [str(ROOT / "pretrain_gpt.py"), *run_args]
-        with _environ(MEGAHET_CORES=",".join(map(str, cores))):  # rank r on cores[r]
+        with mock.patch.dict(os.environ, {"MEGAHET_CORES": ",".join(map(str, cores))}):  # rank r on cores[r]
             wall = torchrun("tools/pin_ranks.py", nproc, pinned, runs / f"{name}.log")
     print(f"  {name}: {wall:.0f} s", flush=True)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     return [r for r in rows if "step_time_s" in r and r["step"] > PROFILE_START_STEPS]
-
-
-@contextlib.contextmanager
-def _environ(**values: str):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def calibrate(vc: VirtualCluster, cfg: MegahetConfig, vocab: int, steps: int) -> Calibration:
@@ -274,12 +260,18 @@ def rescore(saved: Path = RESULTS / "plan_accuracy.json") -> None:
           f"worst {meta['worst_error']:.1%} (before {meta['worst_error_before']:.1%})")  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clusters", default=",".join(c.name for c in CLUSTERS))
+def accuracy_parser(description: str, clusters) -> argparse.ArgumentParser:
+    """The options this benchmark and benchmarks/plan_accuracy_real.py share."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--clusters", default=",".join(c.name for c in clusters))
     parser.add_argument("--top", type=int, default=3, help="the planner's fastest plans to run")
     parser.add_argument("--low", type=int, default=2, help="plans ranked in the lower half to run")
     parser.add_argument("--steps", type=int, default=6, help="steps per run (the first 2 are start-up)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = accuracy_parser(__doc__.splitlines()[0], CLUSTERS)
     parser.add_argument(
         "--rescore",
         action="store_true",

@@ -24,7 +24,6 @@ Writes benchmarks/results/plan_accuracy_real.{md,json,png}; runs' logs in plan_a
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
@@ -40,7 +39,16 @@ sys.path.insert(0, str(ROOT))
 import pretrain_gpt
 from benchmarks.common import RESULTS, save_results
 from benchmarks.contention import competing_process, two_cores
-from benchmarks.plan_accuracy import COLUMNS, LINK_GBPS, MODEL, chosen, launch, plot, summarize
+from benchmarks.plan_accuracy import (
+    COLUMNS,
+    LINK_GBPS,
+    MODEL,
+    accuracy_parser,
+    chosen,
+    launch,
+    plot,
+    summarize,
+)
 from megahet.config import MegahetConfig, load_config
 from megahet.layout_plan import PROFILE_START_STEPS, plan_layouts, plan_overrides_yaml
 from megahet.policy.calibration import Profile, fit_calibration, node_tflops
@@ -163,12 +171,7 @@ def emulated() -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clusters", default=",".join(c.name for c in CLUSTERS))
-    parser.add_argument("--top", type=int, default=3, help="the planner's fastest plans to run")
-    parser.add_argument("--low", type=int, default=2, help="plans ranked in the lower half to run")
-    parser.add_argument("--steps", type=int, default=6, help="steps per run (the first 2 are start-up)")
-    args = parser.parse_args(argv)
+    args = accuracy_parser(__doc__.splitlines()[0], CLUSTERS).parse_args(argv)
     known = {c.name: c for c in CLUSTERS}
     names = args.clusters.split(",")
     if unknown := [n for n in names if n not in known]:

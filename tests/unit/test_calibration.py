@@ -115,6 +115,22 @@ def test_the_fit_recovers_what_made_the_profile(tp: int) -> None:
     )
 
 
+def _cluster(gpus: int, tflops: tuple[float, ...] = (TFLOPS, TFLOPS)):
+    """Nodes of `gpus` devices each, of the given rates, linked at GBPS inside and between them."""
+    nodes = [
+        {
+            "name": f"n{i}",
+            "gpus": gpus,
+            "memory_gib": 8,
+            "tflops": t,
+            "intra_gbps": GBPS,
+            "network_gbps": GBPS,
+        }
+        for i, t in enumerate(tflops)
+    ]
+    return parse_cluster({"nodes": nodes}, "test", "fp32")
+
+
 @pytest.mark.parametrize("gpus", [1, 2])
 def test_node_rates_are_what_each_node_ran_at(gpus: int) -> None:
     """Node speeds read from a profiling run across the cluster, not declared (issue 49, item 2): two
@@ -133,10 +149,7 @@ def test_node_rates_are_what_each_node_ran_at(gpus: int) -> None:
 
 def test_a_calibrated_plan_predicts_the_profiles_own_arithmetic() -> None:
     cal = _fit(tp=2)
-    cluster = parse_cluster(
-        {"nodes": [{"name": "a", "gpus": 2, "memory_gib": 8, "tflops": TFLOPS, "intra_gbps": GBPS, "network_gbps": GBPS}] * 2},
-        "test", "fp32",
-    )  # fmt: skip
+    cluster = _cluster(gpus=2)
     setting = TrainSetting(global_batch=16, micro_batches=(2,), precision="fp32", calibration=cal)
     plan = evaluate(cluster, SHAPE, setting, tp=1, pp=1, micro_batch=2, zero_stage=1, node_order=(0, 1))
     per_micro = L * _layer_s(2, 1) + 2 * TRUE["extra_per_sample"]
@@ -155,9 +168,7 @@ def test_a_slow_node_takes_longer_for_the_work_outside_the_layers() -> None:
     (a real slow device, or a tenant sharing it); virtual devices (extra_follows_rate False) slow only the
     layers. A DP plan over a fast and a slow node waits for the slow replica's optimizer step."""
     cal = _fit(tp=1)
-    nodes = [{"name": n, "gpus": 1, "memory_gib": 8, "tflops": t, "intra_gbps": GBPS, "network_gbps": GBPS}
-             for n, t in (("fast", TFLOPS), ("slow", TFLOPS / 2))]  # fmt: skip
-    cluster = parse_cluster({"nodes": nodes}, "test", "fp32")
+    cluster = _cluster(gpus=1, tflops=(TFLOPS, TFLOPS / 2))
     setting = lambda c: TrainSetting(global_batch=16, micro_batches=(2,), precision="fp32", calibration=c)
     frozen = Calibration(**{**cal.__dict__, "extra_follows_rate": False})
     plans = [
@@ -186,10 +197,7 @@ def test_several_profiles_give_the_efficiency_per_micro_batch_size() -> None:
     assert [cal.efficiency(mb * S) for mb in (1, 2, 4, 8)] == pytest.approx([0.5, 0.65, 0.8, 0.8])
     assert cal.extra_seconds(2, TFLOPS, tokens=2 * S) == pytest.approx(2 * 0.0045)
     assert cal.step_s == pytest.approx(TRUE["step"])
-    cluster = parse_cluster(
-        {"nodes": [{"name": "a", "gpus": 1, "memory_gib": 8, "tflops": TFLOPS, "intra_gbps": GBPS, "network_gbps": GBPS}] * 2},
-        "test", "fp32",
-    )  # fmt: skip
+    cluster = _cluster(gpus=1)
     setting = TrainSetting(global_batch=16, micro_batches=(4,), precision="fp32", calibration=cal)
     plan = evaluate(cluster, SHAPE, setting, tp=1, pp=1, micro_batch=4, zero_stage=1, node_order=(0, 1))
     per_micro = L * _layer_s(4, 1, 0.8) + 4 * 0.003

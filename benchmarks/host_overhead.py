@@ -24,7 +24,9 @@ dispatched, Python calls into megahet, host syncs, CUDA events recorded; these d
   torch.compile, compiled in the warm-up steps).
 
 `vs_megahet` = the median over rounds of megahet's block / this system's block in the same round (paired:
-a drift of the machine's speed between rounds cancels); `vs_megahet_iqr`, those ratios' quartiles.
+a drift of the machine's speed between rounds cancels); `vs_megahet_iqr`, those ratios' quartiles;
+`hooks_ms`, the median step's time in megahet's step hooks (the balancers' host work between the
+micro-batches and the optimizer step: gathering, estimating, deciding).
 Writes benchmarks/results/<name>.{md,json}, and <name>_ops.md: per operator, what megahet dispatches beyond megatron-core, and measuring and SEMI beyond
 megahet (where the host work goes).
 """
@@ -55,6 +57,7 @@ COLUMNS = [
     "step_s",
     "vs_megahet",
     "vs_megahet_iqr",
+    "hooks_ms",
     "aten_ops",
     "megahet_calls",
     "host_syncs",
@@ -98,7 +101,13 @@ def megahet_step(args, extra: list[str]):
 
     cfg = load_config([*base_args(args), "--parallel.tp", str(args.tp), *extra])
     trainer = setup(cfg, pretrain_gpt.SPEC)
-    return trainer.train_step, cfg
+    hooks: list[float] = []  # each step's time in the step hooks (the balancers' host work)
+
+    def step():
+        hooks.append(trainer.train_step()["hooks_s"])
+
+    step.hooks = hooks
+    return step, cfg
 
 
 def mcore_cpu_step(cfg, vocab_size: int, accum: int):
@@ -164,6 +173,11 @@ def rank_main(args) -> None:
             dist.barrier()
             synchronize()
             seconds[name].append(timed_block(step, args.steps))
+    hooks = {
+        name: statistics.median(step.hooks) * 1e3
+        for name, step in steps.items()
+        if getattr(step, "hooks", None)
+    }
     counts = {name: counted(step) for name, step in steps.items()}
     if dist.get_rank() != 0:
         return
@@ -171,6 +185,7 @@ def rank_main(args) -> None:
         {"system": name, "tp": args.tp, "step_s": statistics.median(samples),
          "vs_megahet": statistics.median(m / x for m, x in zip(seconds["megahet"], samples)),
          "vs_megahet_iqr": _quartiles([m / x for m, x in zip(seconds["megahet"], samples)]),
+         "hooks_ms": hooks.get(name, 0.0),
          **counts[name], "block_seconds": samples}
         for name, samples in seconds.items()
     ]  # fmt: skip

@@ -108,6 +108,7 @@ class _TimedWork:
     def __init__(self, work, clock: CommClock):
         self._work, self._clock = work, clock
 
+    @torch.compiler.disable
     def wait(self, *args, **kwargs):
         with self._clock.blocked():
             return self._work.wait(*args, **kwargs)
@@ -256,6 +257,9 @@ class _Blocked:
 
 
 def _wrap(fn):
+    # eager under torch.compile (--train.compile): a collective is a graph break anyway, and traced, the
+    # clock's interval lists would be guards that change with every collective (recompiles)
+    @torch.compiler.disable
     @functools.wraps(fn)
     def collective(*args, **kwargs):
         clock = CommClock._active

@@ -37,6 +37,8 @@ def test_compiled_layers_train_as_the_eager_ones_through_plan_changes(tmp_path, 
         tmp_path, gpt_data, "compiled", ["--train.compile", "true", "--balance.replay", str(trace)]
     )
     assert "torch.compile: the forward of 4 transformer layers" in output
+    # the executed-FLOP counters change every step: no recompile for them (else after 8, eager again)
+    assert "hit config.recompile_limit" not in output
     moved = [compiled[s]["moved_tp1"] for s in range(1, STEPS + 1)]
     assert moved[0] == 0 and max(moved) > 0.3, moved  # the compiled layers ran the migrated plan
     assert moved == [eager[s]["moved_tp1"] for s in range(1, STEPS + 1)]

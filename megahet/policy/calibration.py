@@ -26,8 +26,17 @@ time blocked in collectives, the step's wall time) it takes medians over the ste
   and micro-batch; none at TP 1), which the cost model also charges each pipeline send and DP reduction;
 - `step_s`: per step, what is left of the step's wall time after the micro-batches' compute and the
   modeled DP gradient reduction (the optimizer step, data, logging).
-A slower device runs the extra compute slower in proportion to its rate (`extra_follows_rate`; virtual
-devices slow only the layers, so benchmarks/plan_accuracy.py turns it off).
+A slower device runs the extra compute and the per-step work slower in proportion to its rate
+(`extra_follows_rate`; virtual devices slow only the layers, so benchmarks/plan_accuracy.py turns it off).
+
+Several profiles of one layout at different micro-batch sizes give the efficiency and the extra compute
+per size (a larger GEMM runs at a higher rate), interpolated in log tokens between them:
+
+    cal = fit_calibration([profile_mb1, profile_mb4], shape, reference_tflops=312, ...)
+    cal.efficiency(tokens=4 * 2048)
+
+A profile across the whole cluster gives each node's measured layer rate, for nodes whose speed no
+datasheet gives (a shared or throttled one): `node_tflops(profile, shape, gpus_per_node)`.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 BUSY_LOOP = """import contextlib, os
 os.sched_setaffinity(0, {{{core}}})
@@ -105,14 +106,15 @@ def core_share(before: tuple[float, float], after: tuple[float, float]) -> float
 
 
 def pinned_launch(launch, args: list[str], cores: list[int], log: Path, contended: bool) -> float:
-    """`launch("tools/pin_ranks.py", 2, args, log)` (benchmarks.common.torchrun) with rank r pinned to
-    cores[r], and a competing process on cores[1] while it runs when `contended`; its wall seconds."""
-    os.environ["MEGAHET_CORES"] = ",".join(map(str, cores))  # rank r on cores[r] (tools/pin_ranks.py)
-    try:
-        with competing_process(cores[1]) if contended else contextlib.nullcontext():
-            return launch("tools/pin_ranks.py", 2, args, log)
-    finally:
-        del os.environ["MEGAHET_CORES"]
+    """`launch("tools/pin_ranks.py", len(cores), args, log)` (benchmarks.common.torchrun) with rank r pinned
+    to cores[r] (a core may be listed for several ranks), and a competing process on cores[1] while it runs
+    when `contended`; its wall seconds."""
+    pinned = {"MEGAHET_CORES": ",".join(map(str, cores))}  # rank r on cores[r] (tools/pin_ranks.py)
+    with (
+        mock.patch.dict(os.environ, pinned),
+        competing_process(cores[1]) if contended else contextlib.nullcontext(),
+    ):
+        return launch("tools/pin_ranks.py", len(cores), args, log)
 
 
 def two_cores() -> list[int] | None:

@@ -33,11 +33,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
-from unittest import mock
 
 import yaml
 
@@ -46,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 import pretrain_gpt
 from benchmarks.common import RESULTS, save_results, torchrun
+from benchmarks.contention import pinned_launch
 from megahet.config import MegahetConfig, load_config
 from megahet.layout_plan import PROFILE_START_STEPS, plan_layouts, plan_overrides_yaml
 from megahet.policy.calibration import Calibration, Profile, SizePoint, fit_calibration
@@ -124,8 +123,8 @@ def chosen(plans: list[Plan], top: int, low: int) -> list[int]:
 def launch(
     name: str, nproc: int, args: list[str], steps: int, runs: Path = RUNS, cores: list[int] | None = None
 ) -> list[dict]:
-    """One pretrain_gpt.py launch (rank r pinned to cores[r] when given: tools/pin_ranks.py); its metrics
-    rows after the start-up steps."""
+    """One pretrain_gpt.py launch (`nproc` ranks; rank r pinned to cores[r] when given, one per listed core:
+    tools/pin_ranks.py); its metrics rows after the start-up steps."""
     metrics = runs / f"{name}.metrics.jsonl"
     metrics.unlink(missing_ok=True)
     run_args = [
@@ -137,8 +136,7 @@ def launch(
         wall = torchrun("pretrain_gpt.py", nproc, run_args, runs / f"{name}.log")
     else:
         pinned = [str(ROOT / "pretrain_gpt.py"), *run_args]
-        with mock.patch.dict(os.environ, {"MEGAHET_CORES": ",".join(map(str, cores))}):  # rank r on cores[r]
-            wall = torchrun("tools/pin_ranks.py", nproc, pinned, runs / f"{name}.log")
+        wall = pinned_launch(torchrun, pinned, cores, runs / f"{name}.log", contended=False)
     print(f"  {name}: {wall:.0f} s", flush=True)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     return [r for r in rows if "step_time_s" in r and r["step"] > PROFILE_START_STEPS]
@@ -171,23 +169,33 @@ def bench_cluster(vc: VirtualCluster, top: int, low: int, steps: int) -> tuple[l
     cal = calibrate(vc, cfg, vocab, steps)
     plans = plan_layouts(cfg, vc.cluster(), vocab, calibration=cal)
     print(f"{vc.name}: {len(plans)} plans; {cal}", flush=True)
-    rows = []
-    for at in chosen(plans, top, low):
-        plan = plans[at]
-        config = RUNS / f"{vc.name}_plan{at + 1:02d}.yaml"
-        config.write_text(yaml.safe_dump(plan_overrides_yaml(cfg, plan), sort_keys=False))
-        args = ["--config", str(config), "--device.profile", vc.device_profile(plan.node_order)]
-        measured = statistics.median(
-            r["step_time_s"] for r in launch(config.stem, vc.world_size, args, steps)
-        )
-        rows.append({
-            "cluster": vc.name, "rank": at + 1, "plan": plan.layout, "micro_batch": plan.micro_batch,
-            "zero": plan.zero_stage, "node_order": ",".join(map(str, plan.node_order)),
-            "predicted_s": plan.step_s, "measured_s": measured, "error": measured / plan.step_s - 1,
-        })  # fmt: skip
-        print(f"  #{at + 1} {plan.layout} mb {plan.micro_batch}: predicted {plan.step_s:.3f} s, measured "
-              f"{measured:.3f} s ({rows[-1]['error']:+.1%})", flush=True)  # fmt: skip
+    rows = [
+        run_plan(vc.name, cfg, plans, at, vc.world_size, steps,
+                 ["--device.profile", vc.device_profile(plans[at].node_order)])
+        for at in chosen(plans, top, low)
+    ]  # fmt: skip
     return rows, summarize(vc.name, rows, cal, len(plans))
+
+
+def run_plan(
+    cluster: str, cfg: MegahetConfig, plans: list[Plan], at: int, nproc: int, steps: int, extra: list[str],
+    runs: Path = RUNS, cores: list[int] | None = None,
+) -> dict:  # fmt: skip
+    """Plan `at` of the ranking run as its configuration file (plus `extra` settings): its row, predicted
+    against the median measured step time."""
+    plan = plans[at]
+    config = runs / f"{cluster}_plan{at + 1:02d}.yaml"
+    config.write_text(yaml.safe_dump(plan_overrides_yaml(cfg, plan), sort_keys=False))
+    metrics = launch(config.stem, nproc, ["--config", str(config), *extra], steps, runs, cores)
+    measured = statistics.median(r["step_time_s"] for r in metrics)
+    row = {
+        "cluster": cluster, "rank": at + 1, "plan": plan.layout, "micro_batch": plan.micro_batch,
+        "zero": plan.zero_stage, "node_order": ",".join(map(str, plan.node_order)),
+        "predicted_s": plan.step_s, "measured_s": measured, "error": measured / plan.step_s - 1,
+    }  # fmt: skip
+    print(f"  #{at + 1} {plan.layout} mb {plan.micro_batch} order {row['node_order']}: predicted "
+          f"{plan.step_s:.3f} s, measured {measured:.3f} s ({row['error']:+.1%})", flush=True)  # fmt: skip
+    return row
 
 
 def summarize(name: str, rows: list[dict], cal: Calibration, plans: int) -> dict:
@@ -270,6 +278,17 @@ def accuracy_parser(description: str, clusters) -> argparse.ArgumentParser:
     return parser
 
 
+def chosen_clusters(args, clusters) -> list:
+    """The clusters --clusters names, in its order; SystemExit for an unknown one or too few --steps."""
+    known = {c.name: c for c in clusters}
+    names = args.clusters.split(",")
+    if unknown := [n for n in names if n not in known]:
+        raise SystemExit(f"--clusters: unknown {unknown}: choose from {sorted(known)}")
+    if args.steps <= PROFILE_START_STEPS:
+        raise SystemExit(f"--steps must be more than the {PROFILE_START_STEPS} start-up steps")
+    return [known[n] for n in names]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = accuracy_parser(__doc__.splitlines()[0], CLUSTERS)
     parser.add_argument(
@@ -280,17 +299,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.rescore:
         return rescore()
-    known = {c.name: c for c in CLUSTERS}
-    names = args.clusters.split(",")
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise SystemExit(f"--clusters: unknown {unknown}: choose from {sorted(known)}")
-    if args.steps <= PROFILE_START_STEPS:
-        raise SystemExit(f"--steps must be more than the {PROFILE_START_STEPS} start-up steps")
     RUNS.mkdir(parents=True, exist_ok=True)
     rows, summaries = [], []
-    for name in names:
-        cluster_rows, summary = bench_cluster(known[name], args.top, args.low, args.steps)
+    for cluster in chosen_clusters(args, CLUSTERS):
+        cluster_rows, summary = bench_cluster(cluster, args.top, args.low, args.steps)
         rows += cluster_rows
         summaries.append(summary)
     meta = {"rate_gflops": RATE_GFLOPS, "model": MODEL, "steps": args.steps, "clusters": summaries}

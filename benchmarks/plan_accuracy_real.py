@@ -31,8 +31,6 @@ import statistics
 import sys
 from pathlib import Path
 
-import yaml
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -45,12 +43,14 @@ from benchmarks.plan_accuracy import (
     MODEL,
     accuracy_parser,
     chosen,
+    chosen_clusters,
     launch,
     plot,
+    run_plan,
     summarize,
 )
 from megahet.config import MegahetConfig, load_config
-from megahet.layout_plan import PROFILE_START_STEPS, plan_layouts, plan_overrides_yaml
+from megahet.layout_plan import PROFILE_START_STEPS, plan_layouts
 from megahet.policy.calibration import Profile, fit_calibration, node_tflops
 from megahet.policy.cluster import Cluster, parse_cluster
 from megahet.policy.layout_cost import ModelShape
@@ -128,34 +128,14 @@ def bench_cluster(
         plans = plan_layouts(cfg, rc.cluster(rates), vocab, calibration=cal)
         print(f"{rc.name}: node rates calm {_gflops(calm_rates)}, with {rc.tenants} tenant(s) on node 1 "
               f"{_gflops(rates)} (speeds {speeds[0]:.2f}, {speeds[1]:.2f}); {len(plans)} plans; {cal}")  # fmt: skip
-        rows = [_run(rc, cfg, plans, at, cores, steps) for at in chosen(plans, top, low)]
+        rows = [
+            run_plan(rc.name, cfg, plans, at, rc.world_size, steps, [], RUNS, rc.rank_cores(plans[at].node_order, cores))
+            for at in chosen(plans, top, low)
+        ]  # fmt: skip
     summary = summarize(rc.name, rows, cal, len(plans))
     by_size = {mb: node_tflops(c, shape, rc.gpus)[0] for mb, c in zip(CALIBRATION_MICRO_BATCHES, calm)}
     summary.update(calm_tflops=calm_rates, tflops=rates, speeds=speeds, node0_tflops_by_micro_batch=by_size)
     return rows, summary
-
-
-def _run(rc: RealCluster, cfg: MegahetConfig, plans, at: int, cores: list[int], steps: int) -> dict:
-    plan = plans[at]
-    config = RUNS / f"{rc.name}_plan{at + 1:02d}.yaml"
-    config.write_text(yaml.safe_dump(plan_overrides_yaml(cfg, plan), sort_keys=False))
-    metrics = launch(
-        config.stem,
-        rc.world_size,
-        ["--config", str(config)],
-        steps,
-        RUNS,
-        rc.rank_cores(plan.node_order, cores),
-    )
-    measured = statistics.median(r["step_time_s"] for r in metrics)
-    row = {
-        "cluster": rc.name, "rank": at + 1, "plan": plan.layout, "micro_batch": plan.micro_batch,
-        "zero": plan.zero_stage, "node_order": ",".join(map(str, plan.node_order)),
-        "predicted_s": plan.step_s, "measured_s": measured, "error": measured / plan.step_s - 1,
-    }  # fmt: skip
-    print(f"  #{at + 1} {plan.layout} mb {plan.micro_batch} order {row['node_order']}: predicted "
-          f"{plan.step_s:.3f} s, measured {measured:.3f} s ({row['error']:+.1%})", flush=True)  # fmt: skip
-    return row
 
 
 def _gflops(rates: list[float]) -> str:
@@ -172,19 +152,14 @@ def emulated() -> dict | None:
 
 def main(argv: list[str] | None = None) -> None:
     args = accuracy_parser(__doc__.splitlines()[0], CLUSTERS).parse_args(argv)
-    known = {c.name: c for c in CLUSTERS}
-    names = args.clusters.split(",")
-    if unknown := [n for n in names if n not in known]:
-        raise SystemExit(f"--clusters: unknown {unknown}: choose from {sorted(known)}")
-    if args.steps <= PROFILE_START_STEPS:
-        raise SystemExit(f"--steps must be more than the {PROFILE_START_STEPS} start-up steps")
+    clusters = chosen_clusters(args, CLUSTERS)
     cores = two_cores()
     if cores is None:
         raise SystemExit("needs two CPU cores (one per node): run it where os.sched_getaffinity has two")
     RUNS.mkdir(parents=True, exist_ok=True)
     rows, summaries = [], []
-    for name in names:
-        cluster_rows, summary = bench_cluster(known[name], cores, args.top, args.low, args.steps)
+    for cluster in clusters:
+        cluster_rows, summary = bench_cluster(cluster, cores, args.top, args.low, args.steps)
         rows += cluster_rows
         summaries.append(summary)
     meta = {"model": MODEL, "steps": args.steps, "cores": cores, "clusters": summaries}

@@ -169,7 +169,7 @@ class Calibration:
         points = self.sizes
         if not points:
             return SizePoint(tokens, self.layer_efficiency, self.extra_s_per_sample)
-        if tokens <= points[0].tokens or len(points) == 1:
+        if tokens <= points[0].tokens:
             return points[0]
         if tokens >= points[-1].tokens:
             return points[-1]

@@ -206,20 +206,16 @@ def evaluate(
             speeds[r] = paces[d] / fastest
     return Plan(
         tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, zero_stage=zero_stage, node_order=node_order,
-        split=split, shares=shares, step_s=replica_s + sync_s + _per_step(cal, placed, cells),
+        split=split, shares=shares, step_s=replica_s + sync_s + _per_step(cal, placed),
         memory_fraction=fraction,
         peak_gib=peak / GIB, rank_speeds=tuple(speeds), fullest=fullest,
     )  # fmt: skip
 
 
-def _per_step(cal: Calibration | None, placed: Cluster, cells: dict[tuple[int, int], list[int]]) -> float:
-    """The step's work outside the micro-batches (the calibration's; none without one): on its slowest
-    device's rate (a slow device runs its optimizer step slower too)."""
-    if cal is None:
-        return 0.0
-    return max(
-        cal.step_seconds(placed.nodes[placed.node_of(r)].tflops) for ranks in cells.values() for r in ranks
-    )
+def _per_step(cal: Calibration | None, placed: Cluster) -> float:
+    """The step's work outside the micro-batches (the calibration's; none without one): at the slowest
+    device's rate (every node holds ranks, and a slow device runs its optimizer step slower too)."""
+    return cal.step_seconds(min(n.tflops for n in placed.nodes)) if cal is not None else 0.0
 
 
 def _cells(world: int, tp: int, dp: int) -> dict[tuple[int, int], list[int]]:

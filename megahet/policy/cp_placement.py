@@ -76,13 +76,12 @@ class CPPlan:
         """K/V tokens each rank receives: of every document it holds a slice of, the earlier tokens (up to
         its last slice's end) that other ranks hold."""
         out = [0] * self.cp
-        for doc in range(len(self.lengths)):
-            pieces = [s for s in self.slices if s.doc == doc]
-            for rank in {s.rank for s in pieces}:
-                end = max(s.stop for s in pieces if s.rank == rank)
-                out[rank] += sum(
-                    min(s.stop, end) - s.start for s in pieces if s.rank != rank and s.start < end
-                )
+        by_doc: dict[int, list[Slice]] = {}
+        for s in self.slices:
+            by_doc.setdefault(s.doc, []).append(s)
+        for pieces in by_doc.values():
+            for rank, tokens in _received(pieces).items():
+                out[rank] += tokens
         return out
 
     def whole(self) -> list[bool]:
@@ -91,6 +90,16 @@ class CPPlan:
         for s in self.slices:
             ranks.setdefault(s.doc, set()).add(s.rank)
         return [len(ranks.get(d, ())) == 1 for d in range(len(self.lengths))]
+
+
+def _received(pieces: Sequence[Slice]) -> dict[int, int]:
+    """Per rank holding one of a document's `pieces` (ranks in order): the document's earlier tokens, up to
+    its last piece's end, that other ranks hold."""
+    out = {}
+    for rank in sorted({s.rank for s in pieces}):
+        end = max(s.stop for s in pieces if s.rank == rank)
+        out[rank] = sum(min(s.stop, end) - s.start for s in pieces if s.rank != rank and s.start < end)
+    return out
 
 
 def slice_cost(cost: DocCost, start: int, stop: int) -> float:
@@ -184,29 +193,22 @@ def _blocks(length: int, block: int) -> list[tuple[int, int]]:
     return [(b, min(b + block, length)) for b in range(0, length, block)]
 
 
-def _spread(
-    d: int, length: int, block: int, loads: _Loads, kv_blocks: bool
-) -> tuple[list[tuple[Slice, int]], float]:
+def _spread(d: int, length: int, block: int, loads: _Loads) -> tuple[list[tuple[Slice, int]], float]:
     """Document d's blocks, heaviest (last) first, each on the rank that would finish it first (among those
-    it fits); with `kv_blocks`, charging each block the earlier tokens other ranks hold. Returns the
-    slices with their received tokens, and the resulting slowest finish; `loads` is left unchanged."""
+    it fits), each rank then charged the earlier tokens other ranks hold. Returns the slices with their
+    received tokens (charged with each rank's first slice), and the resulting slowest finish; `loads` is
+    left unchanged."""
     seconds, tokens = list(loads.seconds), list(loads.tokens)
-    owner: dict[tuple[int, int], int] = {}
-    placed: list[tuple[Slice, int]] = []
+    placed: list[Slice] = []
     for start, stop in reversed(_blocks(length, block)):
         options = [r for r in range(len(loads.speeds)) if loads.fits(r, stop - start)] or [loads.order()[0]]
         rank = min(options, key=lambda r: (loads.finish(r, start, stop), r))
-        owner[(start, stop)] = rank
-        placed.append((Slice(d, start, stop, rank), 0))
-        loads.add(Slice(d, start, stop, rank))
-    # received K/V: a block's earlier tokens held elsewhere, counted once per rank (its furthest block)
+        placed.append(Slice(d, start, stop, rank))
+        loads.add(placed[-1])
     result = []
-    for rank in sorted(set(owner.values())):
-        end = max(stop for (start, stop), r in owner.items() if r == rank)
-        received = sum(min(b, end) - a for (a, b), r in owner.items() if r != rank and a < end)
-        if kv_blocks:
-            loads.seconds[rank] += received * loads.kv_seconds
-        mine = [s for s, _ in placed if s.rank == rank]
+    for rank, received in _received(placed).items():
+        loads.seconds[rank] += received * loads.kv_seconds
+        mine = [s for s in placed if s.rank == rank]
         result += [(s, received if i == 0 else 0) for i, s in enumerate(mine)]
     worst = max(loads.seconds)
     loads.seconds, loads.tokens = seconds, tokens
@@ -221,7 +223,7 @@ def block_plan(
     _check(lengths, speeds, cap)
     loads, slices = _Loads(cost, speeds, cap, kv_seconds), []
     for d in _longest_first(lengths):
-        placed, _ = _spread(d, lengths[d], block, loads, kv_blocks=True)
+        placed, _ = _spread(d, lengths[d], block, loads)
         for s, received in placed:
             loads.add(s, received)
             slices.append(s)
@@ -242,7 +244,7 @@ def dynamic_cp_plan(
         n = lengths[d]
         fitting = [r for r in range(len(speeds)) if loads.fits(r, n)]
         whole = min(fitting, key=lambda r: (loads.finish(r, 0, n), r)) if fitting else None
-        spread, spread_worst = _spread(d, n, block, loads, kv_blocks=True)
+        spread, spread_worst = _spread(d, n, block, loads)
         if whole is not None:
             whole_worst = max(
                 loads.finish(r, 0, n) if r == whole else loads.seconds[r] for r in range(len(speeds))

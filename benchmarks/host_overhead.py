@@ -143,11 +143,11 @@ def mcore_cpu_step(cfg, vocab_size: int, accum: int):
     return step
 
 
-def counted(step) -> dict[str, float]:
+def counted(step, steps: int) -> dict[str, float]:
     with HostCounts() as counts:
-        for _ in range(COUNTED_STEPS):
+        for _ in range(steps):
             step()
-    return counts.as_dict(COUNTED_STEPS)
+    return counts.as_dict(steps)
 
 
 def rank_main(args) -> None:
@@ -178,7 +178,7 @@ def rank_main(args) -> None:
         for name, step in steps.items()
         if getattr(step, "hooks", None)
     }
-    counts = {name: counted(step) for name, step in steps.items()}
+    counts = {name: counted(step, args.counted_steps) for name, step in steps.items()}
     if dist.get_rank() != 0:
         return
     rows = [
@@ -215,6 +215,8 @@ def main(argv: list[str] | None = None) -> None:
                         "that timing noise never resizes and the counts are the healthy steady state's)")  # fmt: skip
     parser.add_argument("--systems", help="megahet's systems to run, comma-separated (default: all; megatron-core "
                         "and megahet always run)")  # fmt: skip
+    parser.add_argument("--counted-steps", type=int, default=COUNTED_STEPS, help="steps counted per system "
+                        f"(default {COUNTED_STEPS}: a whole period of the sampled statistics)")  # fmt: skip
     parser.add_argument("--out", help=argparse.SUPPRESS)  # a rank's results file (set by the launch below)
     args = parser.parse_args(argv)
     if "RANK" in os.environ:  # a rank of the launch below
@@ -230,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
                  out.with_suffix(".log"))  # fmt: skip
         rows += json.loads(out.read_text())
     meta = {"shape": {k: getattr(args, k) for k in ("arch", "layers", "hidden", "heads", "seq", "micro", "accum")},
-            "steps_per_block": args.steps, "rounds": args.rounds, "counted_steps": COUNTED_STEPS,
+            "steps_per_block": args.steps, "rounds": args.rounds, "counted_steps": args.counted_steps,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__}  # fmt: skip
     save_results(args.name, rows, COLUMNS, meta)

@@ -39,12 +39,13 @@ def _env(**extra: str) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if k not in RENDEZVOUS}, **extra}
 
 
-def _train(script: str, tmp: Path, precision: str, steps: int, gpu: bool) -> list[float]:
+def _train(script: str, tmp: Path, precision: str, steps: int, gpu: bool, extra: tuple[str, ...] = (),
+           name: str = "") -> list[float]:
     """Per-step losses of one run of a pretrain script on one rank (GPU, or CPU with CUDA hidden)."""
-    metrics = tmp / f"{script}-{precision}-{'gpu' if gpu else 'cpu'}.jsonl"
+    metrics = tmp / f"{script}-{precision}-{'gpu' if gpu else 'cpu'}{name}.jsonl"
     cmd = [sys.executable, f"pretrain_{script}.py", "--train.train_iters", str(steps), "--train.precision",
            precision, "--train.log_interval", "1", "--train.eval_interval", str(steps),
-           "--logging.wandb", "false", "--logging.metrics_file", str(metrics)]  # fmt: skip
+           "--logging.wandb", "false", "--logging.metrics_file", str(metrics), *extra]  # fmt: skip
     env = _env() if gpu else _env(CUDA_VISIBLE_DEVICES="")
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -64,6 +65,15 @@ def test_pretrain_trains_on_one_gpu(tmp_path: Path, cpu_first_loss, script: str,
     assert len(losses) == STEPS and losses[-1] < losses[0]
     tolerance = 2e-3 if precision == "fp32" else 3e-2  # TF32 convolutions / bf16 matmuls
     assert losses[0] == pytest.approx(cpu_first_loss[script], rel=tolerance)
+
+
+def test_compiled_layers_train_on_the_gpu_as_the_eager_ones(tmp_path: Path) -> None:
+    """`--train.compile` on CUDA (inductor's Triton kernels, bf16): the GPT's per-step losses follow the eager
+    GPU run's within bf16 tolerance (inductor fuses the elementwise work), and the loss falls."""
+    eager = _train("gpt", tmp_path, "bf16", 8, gpu=True)
+    compiled = _train("gpt", tmp_path, "bf16", 8, gpu=True, extra=("--train.compile", "true"), name="-compiled")
+    assert compiled[-1] < compiled[0]
+    assert compiled == pytest.approx(eager, rel=3e-2)
 
 
 def _gradients(model, executor=None) -> tuple[float, dict[str, torch.Tensor]]:

@@ -10,8 +10,10 @@ deciding every step), side by side in one launch per tensor-parallel size.
 
 The default shape is host-bound on purpose (a 4-layer Llama, hidden 64, sequence 64): the step is mostly
 Python launching work, as a 0.3-0.6 B model's is on an H200, so what the balancer adds on the host shows.
-Each TP size runs under torchrun (nproc = TP, gloo on CPU); every rank builds all the systems and times
-them in interleaved blocks of `--steps` steps (`--rounds` rounds), so machine noise hits all alike. Then each system's steps are counted (benchmarks/host_counts.py, on rank 0): ATen ops
+Each TP size runs under torchrun (nproc = TP, gloo on CPU, each rank pinned to a core of its own where the
+machine has enough: tools/pin_ranks.py); every rank builds all the systems and times them in interleaved
+blocks of `--steps` steps (`--rounds` rounds, each round starting one system later), so machine noise hits
+all alike. Then each system's steps are counted (benchmarks/host_counts.py, on rank 0): ATen ops
 dispatched, Python calls into megahet, host syncs, CUDA events recorded; these do not drift with load.
 
 - `mcore`: plain megatron-core, the same GPT / Llama (its GPTModel, local layer spec) driven by its own
@@ -20,11 +22,15 @@ dispatched, Python calls into megahet, host syncs, CUDA events recorded; these d
 - `megahet`: megahet's trainer (DeepSpeed ZeRO-1 engine) with no balancer;
 - `measuring`: resizable layers and the balancer's clock, no planning (`--balance.trace`, mode static);
 - `semi`: SEMI at its defaults; `semi_every_step`: SEMI deciding every step (`balance.interval 1`);
+  `semi_healthy`: SEMI at its defaults with `balance.healthy_gap 0.9`, so that it never moves work: its host
+  cost alone (on a shared CPU `semi` also reacts to ranks the machine really slows for a while, which costs
+  or gains on its own);
 - `compiled`, `semi_compiled`: megahet and SEMI with `--train.compile` (each layer's forward under
   torch.compile, compiled in the warm-up steps).
 
 `vs_megahet` = the median over rounds of megahet's block / this system's block in the same round (paired:
 a drift of the machine's speed between rounds cancels); `vs_megahet_iqr`, those ratios' quartiles;
+`vs_megahet_ci90`, a 90 % bootstrap interval of their median;
 `hooks_ms`, the median step's time in megahet's step hooks (the balancers' host work between the
 micro-batches and the optimizer step: gathering, estimating, deciding).
 Writes benchmarks/results/<name>.{md,json}, and <name>_ops.md: per operator, what megahet dispatches beyond megatron-core, and measuring and SEMI beyond
@@ -36,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -57,6 +64,7 @@ COLUMNS = [
     "step_s",
     "vs_megahet",
     "vs_megahet_iqr",
+    "vs_megahet_ci90",
     "hooks_ms",
     "aten_ops",
     "megahet_calls",
@@ -78,6 +86,7 @@ def systems(args, trace_dir: Path) -> dict[str, list[str]]:
         "measuring": ["--balance.trace", str(trace_dir / "trace.jsonl")],
         "semi": semi,
         "semi_every_step": [*semi, "--balance.interval", "1"],
+        "semi_healthy": ["--balance.mode", "semi", "--balance.healthy_gap", "0.9"],
         "compiled": ["--train.compile", "true"],
         "semi_compiled": [*semi, "--train.compile", "true"],
     }
@@ -168,11 +177,12 @@ def rank_main(args) -> None:
     for step in steps.values():  # warm-up: DeepSpeed's first step, the balancer's first plans
         timed_block(step, 3)
     seconds = {name: [float("nan")] for name in steps} if args.rounds == 0 else {name: [] for name in steps}
-    for _ in range(args.rounds):
-        for name, step in steps.items():
+    names = list(steps)
+    for r in range(args.rounds):  # each round starts one system later: no system always follows the same one
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             dist.barrier()
             synchronize()
-            seconds[name].append(timed_block(step, args.steps))
+            seconds[name].append(timed_block(steps[name], args.steps))
     hooks = {
         name: statistics.median(step.hooks) * 1e3
         for name, step in steps.items()
@@ -185,6 +195,7 @@ def rank_main(args) -> None:
         {"system": name, "tp": args.tp, "step_s": statistics.median(samples),
          "vs_megahet": statistics.median(m / x for m, x in zip(seconds["megahet"], samples)),
          "vs_megahet_iqr": _quartiles([m / x for m, x in zip(seconds["megahet"], samples)]),
+         "vs_megahet_ci90": _median_ci([m / x for m, x in zip(seconds["megahet"], samples)]),
          "hooks_ms": hooks.get(name, 0.0),
          **counts[name], "block_seconds": samples}
         for name, samples in seconds.items()
@@ -198,6 +209,16 @@ def _quartiles(ratios: list[float]) -> str:
         return ""
     q = statistics.quantiles(ratios, n=4)
     return f"{q[0]:.3f}-{q[2]:.3f}"
+
+
+def _median_ci(ratios: list[float], resamples: int = 2000) -> str:
+    """A 90 % bootstrap interval of the paired ratios' median ("lo-hi"): how far the reported ratio could
+    be off from round-to-round noise alone."""
+    if len(ratios) < 4:
+        return ""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return f"{medians[resamples // 20]:.3f}-{medians[resamples - 1 - resamples // 20]:.3f}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -228,12 +249,21 @@ def main(argv: list[str] | None = None) -> None:
         out = RESULTS / f"{args.name}_runs" / f"tp{tp}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.unlink(missing_ok=True)
-        torchrun("benchmarks/host_overhead.py", tp, [*forwarded, "--tp", str(tp), "--out", str(out)],
+        # a rank per core where there are enough (tools/pin_ranks.py): the scheduler moving ranks between
+        # cores would add more noise than the 2 % this measures
+        pinned = tp <= len(os.sched_getaffinity(0))
+        script = (
+            ["tools/pin_ranks.py", "benchmarks/host_overhead.py"]
+            if pinned
+            else ["benchmarks/host_overhead.py"]
+        )
+        torchrun(script[0], tp, [*script[1:], *forwarded, "--tp", str(tp), "--out", str(out)],
                  out.with_suffix(".log"))  # fmt: skip
         rows += json.loads(out.read_text())
     meta = {"shape": {k: getattr(args, k) for k in ("arch", "layers", "hidden", "heads", "seq", "micro", "accum")},
             "steps_per_block": args.steps, "rounds": args.rounds, "counted_steps": args.counted_steps,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "pinned_ranks": max(args.tp) <= len(os.sched_getaffinity(0)),
             "torch": torch.__version__}  # fmt: skip
     save_results(args.name, rows, COLUMNS, meta)
     write_op_table(RESULTS / f"{args.name}_ops.md", rows)

@@ -39,8 +39,9 @@ def _env(**extra: str) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if k not in RENDEZVOUS}, **extra}
 
 
-def _train(script: str, tmp: Path, precision: str, steps: int, gpu: bool, extra: tuple[str, ...] = (),
-           name: str = "") -> list[float]:
+def _train(
+    script: str, tmp: Path, precision: str, steps: int, gpu: bool, extra: tuple[str, ...] = (), name: str = ""
+) -> list[float]:
     """Per-step losses of one run of a pretrain script on one rank (GPU, or CPU with CUDA hidden)."""
     metrics = tmp / f"{script}-{precision}-{'gpu' if gpu else 'cpu'}{name}.jsonl"
     cmd = [sys.executable, f"pretrain_{script}.py", "--train.train_iters", str(steps), "--train.precision",
@@ -71,7 +72,9 @@ def test_compiled_layers_train_on_the_gpu_as_the_eager_ones(tmp_path: Path) -> N
     """`--train.compile` on CUDA (inductor's Triton kernels, bf16): the GPT's per-step losses follow the eager
     GPU run's within bf16 tolerance (inductor fuses the elementwise work), and the loss falls."""
     eager = _train("gpt", tmp_path, "bf16", 8, gpu=True)
-    compiled = _train("gpt", tmp_path, "bf16", 8, gpu=True, extra=("--train.compile", "true"), name="-compiled")
+    compiled = _train(
+        "gpt", tmp_path, "bf16", 8, gpu=True, extra=("--train.compile", "true"), name="-compiled"
+    )
     assert compiled[-1] < compiled[0]
     assert compiled == pytest.approx(eager, rel=3e-2)
 

@@ -132,6 +132,8 @@ class BalanceController(MeasuringHook):
         self._efficiency: list[float] = []
         self._due = False
         self.step = -1
+        self._plan_fractions: tuple = (None, [])
+        """(the executed plan, its unit fractions per DP replica): the trace's, computed once per plan."""
         self.trace = None
         """This stage's trace (its first TP rank of DP replica 0 writes it), if one is asked for."""
         stage = layout.pp_rank if layout.pp_size > 1 else None
@@ -170,8 +172,7 @@ class BalanceController(MeasuringHook):
         if gathered is None:
             return
         rows, step, step_s = gathered
-        # one copy to the host for every rank's row (a .tolist() per row syncs once per rank on a GPU)
-        table = {(int(r[0]), int(r[1])): r[2:] for r in torch.stack(rows).tolist()}
+        table = {(int(r[0]), int(r[1])): r[2:] for r in rows}
         tp, dp = range(self.layout.tp_size), range(self.layout.dp_size)
         # [field][dp][tp]: work, layers' own compute, all own compute, collective waits, fixed work, and
         # the optimizer step's part of it
@@ -194,7 +195,11 @@ class BalanceController(MeasuringHook):
             self._write_trace(
                 step, step_s, works, busys, efficiency, computes, waits, fixeds, optimizers, units
             )
-        self._due = (step + 1) % self.cfg.interval == 0 and all(e.ready for e in self.estimators)
+        self._due = (
+            self.cfg.plans  # static mode only measures: its targets stay the even split
+            and (step + 1) % self.cfg.interval == 0
+            and all(e.ready for e in self.estimators)
+        )
 
     def _fixed_in_units(
         self, dp: int, units: list[float], busy: list[float], fixed_s: list[float]
@@ -289,15 +294,23 @@ class BalanceController(MeasuringHook):
         estimator = self.estimators[dp]
         return estimator.speeds() if estimator.ready else None
 
-    def _fractions(self, dp: int) -> dict[str, list[float]]:
-        return self.resize.executor.plan.unit_fractions(self.resize.units, dp, self.layout.tp_size)
+    def _fractions(self) -> list[dict[str, list[float]]]:
+        """Per DP replica, the executed plan's dropped / sent / hosted fractions per TP rank (once per plan)."""
+        plan = self.resize.executor.plan
+        if self._plan_fractions[0] is not plan:
+            dps = range(self.layout.dp_size)
+            self._plan_fractions = (
+                plan,
+                [plan.unit_fractions(self.resize.units, dp, self.layout.tp_size) for dp in dps],
+            )
+        return self._plan_fractions[1]
 
     def _write_trace(
         self, step, step_s, works, busys, efficiency, computes, waits, fixeds, optimizers, units
     ) -> None:
         """One JSON line per step: the executed plan and the measurements, indexed [dp][tp]."""
         dps = range(self.layout.dp_size)
-        fractions = [self._fractions(dp) for dp in dps]
+        fractions = self._fractions()
         row = {
             "step": step,
             "step_s": step_s,
@@ -312,7 +325,9 @@ class BalanceController(MeasuringHook):
             "speed": [self._speeds(dp) for dp in dps],
             "units": units,
             "phi": [e.phis() for e in self.estimators],
-            "targets": [dataclasses.asdict(t) for t in self.targets],
+            "targets": [
+                vars(t) for t in self.targets
+            ],  # WorkTarget's fields (asdict's deep copy: 10x slower)
             **{k: [f[k] for f in fractions] for k in ("dropped", "sent", "hosted")},
         }
         self.trace.write(row)
@@ -329,7 +344,7 @@ class BalanceController(MeasuringHook):
         self._collect()
         dp = self.layout.dp_rank
         speeds = self._speeds(dp) or [1.0] * self.layout.tp_size
-        fractions = self._fractions(dp)
+        fractions = self._fractions()[dp]
         out = {}
         for name, values in (
             ("speed", speeds),

@@ -120,7 +120,7 @@ class DataParallelBalancer(MeasuringHook):
         if gathered is None:
             return
         rows, step, step_s = gathered
-        work, region, optimizer = ([float(r[i]) for r in rows] for i in range(3))
+        work, region, optimizer = ([r[i] for r in rows] for i in range(3))
         if self.warm:
             self.estimator.update([w / self.unit for w in work], region)
             self.fixed.update(optimizer)

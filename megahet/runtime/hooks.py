@@ -128,8 +128,10 @@ class MeasuringHook(StepHook):
     """A TraceWriter (global rank 0 with --balance.trace), or None."""
 
     def _gather(self, mine: torch.Tensor, group=None) -> None:
-        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-        handle = dist.all_gather(rows, mine, group=group, async_op=True)
+        ranks = dist.get_world_size(group)
+        rows = [mine] if ranks == 1 else [torch.empty_like(mine) for _ in range(ranks)]
+        # a group of one gathers nothing: no collective (gloo's costs ~0.1 ms of host time even then)
+        handle = None if ranks == 1 else dist.all_gather(rows, mine, group=group, async_op=True)
         started = self.ctx.step_t0 if self.ctx is not None else time.perf_counter()
         self._pending = (handle, rows, self.step, time.perf_counter() - started)
 
@@ -148,11 +150,14 @@ class MeasuringHook(StepHook):
         if written is not None and final:
             self._plot(written)
 
-    def _take(self) -> tuple[list[torch.Tensor], int, float] | None:
-        """The last step's gathered rows, its step and its seconds (waited for), or None."""
+    def _take(self) -> tuple[list[list[float]], int, float] | None:
+        """The last step's gathered rows (one per rank, as floats), its step and its seconds (waited for),
+        or None. The rows are CPU tensors on every machine (gloo carries them beside NCCL: megahet/platform.py),
+        so reading them waits for no device: one read through numpy for all of them."""
         if self._pending is None:
             return None
         handle, rows, step, step_s = self._pending
         self._pending = None
-        handle.wait()
-        return rows, step, step_s
+        if handle is not None:
+            handle.wait()
+        return torch.stack(rows).numpy().tolist(), step, step_s

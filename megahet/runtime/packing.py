@@ -206,7 +206,7 @@ class PackingController(MeasuringHook):
         region: dict[int, float] = {}
         features: dict[int, tuple[float, ...]] = {}
         for row in rows:
-            dp, pp, sum_sq, tokens, micro, compute_s, region_s, speed, work = row.tolist()
+            dp, pp, sum_sq, tokens, micro, compute_s, region_s, speed, work = row
             dp, pp = int(dp), int(pp)
             compute[(dp, pp)] = max(compute.get((dp, pp), 0.0), compute_s)
             region[dp] = max(region.get(dp, 0.0), region_s)

@@ -135,7 +135,7 @@ class PipelineBalancer(MeasuringHook):
         for (_dp, stage, _tp), row, layer, extra in zip(
             self.coords, rows, self.layer_samples, self.extra_samples
         ):
-            micro, layers_s, compute_s, optimizer_s = (float(x) for x in row)
+            micro, layers_s, compute_s, optimizer_s = row
             if micro > 0 and layers_s > 0:  # a layer-less evaluation-only step measures nothing
                 layer.append(layers_s / (self.split[stage] * micro))
                 extra.append((max(compute_s - layers_s, 0.0) + optimizer_s) / micro)

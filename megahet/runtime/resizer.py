@@ -54,7 +54,7 @@ class ResizeController(StepHook):
         r = cfg.resize
         self.seq_length = seq_length
         self.cfg, self.layout, self.seed = r, layout, cfg.train.seed
-        self._replan = False  # the balancer asked for a new plan at the next step
+        self._replan = True  # plan at the next step: the configured plan at the first, the balancer's later
         self.gammas = parse_rank_gammas(r.gamma, layout.dp_size, layout.tp_size)
         self.overrides = parse_block_gammas(r.block_gamma)
         self.moves = parse_migrations(r.migrate, layout.dp_size, layout.tp_size)
@@ -152,7 +152,8 @@ class ResizeController(StepHook):
     def before_forward_backward(self, step: int) -> None:
         self.step = step
         self.executor.sampling = step % self.cfg.score_interval == 0  # the statistics' sampled steps
-        if step % self.cfg.reselect_interval == 0 or self._replan:
+        # a reselection re-draws the dropped units: with none to drop the plan would come out the same
+        if self._replan or (self.gammas and step % self.cfg.reselect_interval == 0):
             self._replan = False
             if self.executor.track_gradients:
                 self._gather_scores()
@@ -212,6 +213,7 @@ class ResizeController(StepHook):
             self.drop_age[(parse_block_name(name), tuple(rank))] = np.asarray(age, dtype=int)
         self.executor.load_last_gradients(state["last_grad"])
         self.executor.apply(ResizePlan.from_dict(state["plan"]))
+        self._replan = False  # the saved plan goes on until the next reselection, as it would have
 
     def evaluation(self):
         """Evaluate the whole model: the plan is a training-time device, not part of the model."""

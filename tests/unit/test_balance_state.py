@@ -24,6 +24,7 @@ import torch
 
 from megahet.config import MegahetConfig, apply_overrides
 from megahet.parallel import ParallelLayout
+from megahet.policy.planner import WorkTarget
 from megahet.runtime.balancer import BalanceController
 from megahet.runtime.resizer import ResizeController
 from megahet.runtime.timing import StepTimes
@@ -218,3 +219,23 @@ def test_the_first_step_of_a_process_is_a_warm_up_not_a_sample() -> None:
     resumed._pending = (_Gathered(), _rows([1.0, 1.0], [1.0, 4.0], [0.0, 0.0]), 6, 1.0)
     resumed.before_forward_backward(7)
     assert resumed.targets[0].is_even
+
+
+def test_a_static_balancer_measures_every_step_and_never_plans(tmp_path, monkeypatch) -> None:
+    """balance.mode static with a trace (measuring only, issue 48): every step is measured and traced, the
+    slow rank shows in its speed, and the planner never runs (its targets stay the even split)."""
+    import megahet.runtime.balancer as balancer_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a static balancer ran the planner")
+
+    monkeypatch.setattr(balancer_module, "balance", refuse)
+    trace = tmp_path / "static.jsonl"
+    controller = _controller("static", trace=str(trace))
+    for step in range(12):
+        decided = _step(controller, step)
+        assert decided["targets"] == [WorkTarget()] and decided["replans"] == 0, step
+    controller.close(final=False)
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(12))  # close() folds the last step in
+    assert rows[-1]["speed"][0][1] == pytest.approx(0.25, rel=0.05)  # TP rank 1 at a quarter (steps 6-17)

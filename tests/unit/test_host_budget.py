@@ -4,7 +4,8 @@ benchmarks/host_overhead.py counts, on the host-bound tiny Llama at TP=1 and TP=
 torchrun), each system's ATen ops, Python calls into megahet, host syncs and CUDA events per step
 (benchmarks/host_counts.py). These counts do not depend on the machine's speed or load, so they are held
 to fixed budgets: measuring within 1.1x of the unbalanced step's ATen ops (issue 48's
-goal; host syncs: one more, to read its gathered measurements), and every system's megahet calls within
+goal; host syncs: none more: its gathered measurements are host memory on every machine), and every
+system's megahet calls within
 its budget below (the counts measured when they were set,
 plus about 10 %). Lower a budget when a change cuts host work; raise one only with the reason in the
 commit.
@@ -26,8 +27,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import torchrun
 
 MEGAHET_CALLS = {
-    1: {"megahet": 325, "measuring": 690, "semi": 685, "semi_every_step": 685},  # 295, 626, 620, 620
-    2: {"megahet": 1000, "measuring": 1530, "semi": 1500, "semi_every_step": 1500},  # 911, 1388, 1364, 1364
+    1: {"megahet": 325, "measuring": 585, "semi": 660, "semi_every_step": 660},  # 300, 530, 600, 600
+    2: {"megahet": 1000, "measuring": 1390, "semi": 1480, "semi_every_step": 1480},  # 916, 1265, 1345, 1345
 }
 """Python calls into megahet per step, per TP size and system (budgets)."""
 
@@ -51,13 +52,14 @@ def counts(request, tmp_path_factory) -> tuple[int, dict[str, dict]]:
     return tp, {row["system"]: row for row in json.loads(out.read_text())}
 
 
-def test_measuring_adds_at_most_a_tenth_of_the_ops_and_one_host_sync(counts):
-    """Measuring reads its gathered measurements on the host once per step, one step late (already
-    complete: no stall), whatever the number of ranks; nothing else of it waits for the device."""
+def test_measuring_adds_at_most_a_tenth_of_the_ops_and_no_host_sync(counts):
+    """Measuring reads its gathered measurements once per step, one step late, from host memory (CPU
+    tensors gathered by gloo on every machine: megahet/runtime/hooks.py), whatever the number of ranks;
+    nothing of it waits for the device."""
     _, rows = counts
     plain, measuring = rows["megahet"], rows["measuring"]
     assert measuring["aten_ops"] <= 1.1 * plain["aten_ops"], (measuring, plain)
-    assert measuring["host_syncs"] <= plain["host_syncs"] + 1, (measuring, plain)
+    assert measuring["host_syncs"] <= plain["host_syncs"], (measuring, plain)
     assert measuring["cuda_events"] == plain["cuda_events"] == 0  # CPU: the clock is perf_counter
 
 

@@ -153,6 +153,30 @@ def test_priority_statistics_sample_one_step_in_score_interval(world1) -> None:
     assert counts_after_7_steps(3) == 3  # steps 0, 3, 6
 
 
+def test_a_reselection_runs_only_when_there_are_units_to_drop(world1, monkeypatch) -> None:
+    """Issue 48: the plan is re-drawn every resize.reselect_interval steps only when some rank drops units;
+    with nothing to drop it would come out the same, so a healthy group re-plans only when asked (the
+    configured plan at the first step, then each balancer change), and the reselections come back with a
+    rank to resize."""
+    cfg = load_config(["--resize.reselect_interval", "2", "--resize.selection", "random"])
+    model = gpt()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ctrl = ResizeController(cfg, model, current_layout(), num_microbatches=2)
+    applied = []
+    apply = ctrl.executor.apply
+    monkeypatch.setattr(ctrl.executor, "apply", lambda plan: (applied.append(ctrl.step), apply(plan))[1])
+
+    def targets(t: int) -> None:
+        if t == 3:
+            ctrl.set_targets([WorkTarget(gamma={0: 0.5})])  # the balancer resizes the rank
+        if t == 7:
+            ctrl.set_targets([WorkTarget()])  # and returns to the even split
+
+    run_controller(ctrl, model, optimizer, range(10), targets)
+    assert applied == [0, 3, 4, 6, 7]  # first step; the change; reselections 4, 6; the return to even
+    ctrl.executor.apply(ResizePlan())  # leave the model's hooks inert for the next controller
+
+
 def test_migration_is_planned_by_unit_work_of_the_attention_sequence(world1, monkeypatch) -> None:
     """Issue 47: the controller hands `plan_migration` every block's unit work at the task's sequence
     length, so that a layer's MLP absorbs its whole heads' rounding (the policy: test_balance_planner.py)."""

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import torch
+from megatron.core.utils import get_batch_on_this_cp_rank
 
 from megahet.config import ConfigError, MegahetConfig
 from megahet.config_checks import parse_doc_cost, replica_caps
@@ -30,6 +31,7 @@ from megahet.data.sampling import micro_batches, to_device
 from megahet.data.tokenizer import load_tokenizer
 from megahet.data.wheels import data_dir
 from megahet.models.attention import packed_documents
+from megahet.models.context_parallel import cp_group, cp_totals
 from megahet.models.gpt import build_gpt
 from megahet.parallel import ParallelLayout
 from megahet.policy.packing import DocCost
@@ -85,17 +87,21 @@ def prepare(cfg: MegahetConfig) -> None:
 
 
 def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
-    """Masked mean over tokens for the schedule; sums for perplexity."""
-    mask = loss_mask.float()  # (b, s)
+    """The micro-batch's loss as megatron-core's per-token form (its token sum, its token count: the schedule
+    divides one by the other), and the sums for perplexity. With context parallelism each rank holds part of
+    every sequence: its sum is its own tokens' and the count the whole micro-batch's, so the CP ranks'
+    gradients add up to the mean's (DeepSpeed sums them over CP); the reported values are the micro-batch's."""
+    mask = loss_mask.float()  # (b, s), this rank's tokens
     loss_sum = (per_token_loss.float() * mask).sum()
-    tokens = mask.sum()
-    loss = loss_sum / tokens.clamp(min=1)
-    reported = loss.detach().clone()  # the schedule divides `loss` in place by the micro-batch count
-    return loss, {"loss": reported, "loss_sum": loss_sum.detach(), "tokens": tokens}
+    total, tokens = cp_totals(loss_sum, mask.sum(), cp_group())
+    reported = total / tokens.clamp(min=1)
+    return loss_sum, tokens.int(), {"loss": reported, "loss_sum": total, "tokens": tokens}
 
 
 def forward_step(data_iterator, model):
     batch = to_device(next(data_iterator))
+    if cp_group() is not None:  # this rank's head-tail chunks of every sequence (megatron-core's split)
+        batch = get_batch_on_this_cp_rank(batch)
     per_token_loss = model(
         batch["tokens"], batch["position_ids"], None, labels=batch["labels"]
     )  # (b, s) on the last stage; hidden states (s, b, h) before it

@@ -58,6 +58,11 @@ def eval_summary(sums: dict[str, float]) -> dict[str, float]:
 
 def preflight(cfg: MegahetConfig) -> None:
     m = cfg.model
+    if cfg.parallel.cp > 1:
+        raise ConfigError(
+            f"parallel.cp {cfg.parallel.cp}: the ViT's sequence (its patches and the class token) is not split "
+            "over context-parallel ranks; set parallel.cp 1"
+        )
     if m.image_size % m.patch_size != 0:
         raise ConfigError(
             f"model.image_size {m.image_size} is not a multiple of model.patch_size {m.patch_size}: "

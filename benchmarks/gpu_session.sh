@@ -39,7 +39,7 @@ run() {  # run NAME LIMIT_S COMMAND...: its output appended to $LOG, its wall ti
 keep() { cp "benchmarks/results/$1.json" "$OUT"/ 2>/dev/null; tail -n 14 "benchmarks/results/$1.md" 2>/dev/null; }
 LLAMA=(--arch llama --layers 24 --hidden 1536 --heads 12 --groups 4 --ffn 4096 --seq 2048 --micro 4 --accum 2)
 GPT=(--arch gpt --layers 24 --hidden 1024 --heads 16 --seq 2048 --micro 4 --accum 2)
-HOST=(python3 benchmarks/host_overhead.py --tp 1 --steps 3 --rounds ${ROUNDS:-3} --counted-steps 5)
+HOST=(python3 benchmarks/host_overhead.py --tp 1 --steps 3 --rounds ${ROUNDS:-3} --counted-steps 5 --instances 1)
 for step in $steps; do
     case $step in
     suite) run gpu_suite 230 python3 -m pytest -m gpu tests/test_gpu.py -q -rs -p no:cacheprovider

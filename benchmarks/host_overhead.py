@@ -164,29 +164,36 @@ def rank_main(args) -> None:
     import pretrain_gpt
     from megahet.platform import cuda_available, synchronize
 
-    trace_dir = Path(tempfile.mkdtemp())
-    steps, cfg = {}, None
-    for name, extra in chosen_systems(args, trace_dir).items():
-        steps[name], cfg = megahet_step(args, extra)
+    copies: dict[str, list] = {}  # system -> its `--instances` trainers' step functions
+    cfg = None
+    for i in range(args.instances):
+        trace_dir = Path(tempfile.mkdtemp())  # an instance's own trace
+        for name, extra in chosen_systems(args, trace_dir).items():
+            step, cfg = megahet_step(args, extra)
+            copies.setdefault(name, []).append(step)
     vocab = pretrain_gpt.SPEC.vocab_size(cfg)
-    if cuda_available():
-        steps["mcore"], _ = mcore_step_fn(cfg, vocab, args.accum)
-    else:
-        steps["mcore"] = mcore_cpu_step(cfg, vocab, args.accum)
-    steps = {"mcore": steps.pop("mcore"), **steps}
-    for step in steps.values():  # warm-up: DeepSpeed's first step, the balancer's first plans
-        timed_block(step, 3)
-    seconds = {name: [float("nan")] for name in steps} if args.rounds == 0 else {name: [] for name in steps}
-    names = list(steps)
-    for r in range(args.rounds):  # each round starts one system later: no system always follows the same one
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+    mcore_step = (lambda: mcore_step_fn(cfg, vocab, args.accum)[0]) if cuda_available() else (
+        lambda: mcore_cpu_step(cfg, vocab, args.accum))  # fmt: skip
+    copies = {"mcore": [mcore_step() for _ in range(args.instances)], **copies}
+    for instances in copies.values():  # warm-up: DeepSpeed's first step, the balancer's first plans
+        for step in instances:
+            timed_block(step, 3)
+    names = list(copies)
+    seconds = {name: [float("nan")] for name in names} if args.rounds == 0 else {name: [] for name in names}
+    blocks = [(name, i) for i in range(args.instances) for name in names]
+    for r in range(args.rounds):  # each round starts one block later: no system always follows the same one
+        took: dict[str, list[float]] = {name: [] for name in names}
+        for name, i in blocks[r % len(blocks) :] + blocks[: r % len(blocks)]:
             dist.barrier()
             synchronize()
-            seconds[name].append(timed_block(steps[name], args.steps))
+            took[name].append(timed_block(copies[name][i], args.steps))
+        for name in names:  # a system's round: the mean over its instances (each built on its own memory)
+            seconds[name].append(statistics.fmean(took[name]))
+    steps = {name: instances[0] for name, instances in copies.items()}
     hooks = {
-        name: statistics.median(step.hooks) * 1e3
-        for name, step in steps.items()
-        if getattr(step, "hooks", None)
+        name: statistics.median(h for step in instances for h in step.hooks) * 1e3
+        for name, instances in copies.items()
+        if getattr(instances[0], "hooks", None)
     }
     counts = {name: counted(step, args.counted_steps) for name, step in steps.items()}
     if dist.get_rank() != 0:
@@ -236,6 +243,9 @@ def main(argv: list[str] | None = None) -> None:
                         "that timing noise never resizes and the counts are the healthy steady state's)")  # fmt: skip
     parser.add_argument("--systems", help="megahet's systems to run, comma-separated (default: all; megatron-core "
                         "and megahet always run)")  # fmt: skip
+    parser.add_argument("--instances", type=int, default=3, help="trainers built per system, timed in turn "
+                        "(default 3; 1 on a GPU's large shapes): one trainer's speed also depends on where its "
+                        "memory landed, by 2-3 %% on CPU")  # fmt: skip
     parser.add_argument("--counted-steps", type=int, default=COUNTED_STEPS, help="steps counted per system "
                         f"(default {COUNTED_STEPS}: a whole period of the sampled statistics)")  # fmt: skip
     parser.add_argument("--out", help=argparse.SUPPRESS)  # a rank's results file (set by the launch below)
@@ -262,6 +272,7 @@ def main(argv: list[str] | None = None) -> None:
         rows += json.loads(out.read_text())
     meta = {"shape": {k: getattr(args, k) for k in ("arch", "layers", "hidden", "heads", "seq", "micro", "accum")},
             "steps_per_block": args.steps, "rounds": args.rounds, "counted_steps": args.counted_steps,
+            "instances": args.instances,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "pinned_ranks": max(args.tp) <= len(os.sched_getaffinity(0)),
             "torch": torch.__version__}  # fmt: skip

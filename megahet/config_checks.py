@@ -52,14 +52,14 @@ def validate(cfg: MegahetConfig, world_size: int) -> int:
     )
     _validate_architecture(cfg)
     _validate_stage_layers(cfg)
-    check_world_size(world_size, p.tp, p.pp)
+    dp = check_world_size(world_size, p.tp, p.pp, p.cp)
+    _validate_context_parallel(cfg)
     _require(p.zero_stage in (1, 2), f"parallel.zero_stage must be 1 or 2, got {p.zero_stage}")
     _require(
         not (p.zero_stage == 2 and p.pp > 1),
         f"ZeRO stage 2 does not support pipeline parallelism (pp={p.pp}): "
         f"use parallel.zero_stage=1 with pp > 1, or pp=1",
     )
-    dp = world_size // (p.tp * p.pp)
     _require(t.micro_batch_size > 0, f"train.micro_batch_size must be positive, got {t.micro_batch_size}")
     _require(t.global_batch_size > 0, f"train.global_batch_size must be positive, got {t.global_batch_size}")
     if cfg.data.packing == "documents":
@@ -196,6 +196,37 @@ def _validate_packing(cfg: MegahetConfig, dp: int) -> None:
     )
     if d.doc_cost is not None:
         parse_doc_cost(d.doc_cost)
+
+
+def _validate_context_parallel(cfg: MegahetConfig) -> None:
+    """parallel.cp > 1: what static context parallelism runs with today (issue 45 lifts the rest)."""
+    p, m = cfg.parallel, cfg.model
+    if p.cp == 1:
+        return
+    _require(
+        m.seq_length % (2 * p.cp) == 0,
+        f"parallel.cp {p.cp} splits each sequence into 2 x cp = {2 * p.cp} chunks: model.seq_length "
+        f"{m.seq_length} is not a multiple of {2 * p.cp}; change one of them",
+    )
+    _require(
+        m.attention == "sdpa",
+        f"parallel.cp {p.cp} needs model.attention sdpa (megatron-core's local attention refuses context "
+        "parallelism): set model.attention sdpa",
+    )
+    unsupported = {
+        "data.packing documents (packed documents are split per document in a later step)": cfg.data.packing
+        == "documents",
+        "parallel.pp > 1": p.pp > 1,
+        "balance.mode / balance.trace (the balancers measure TP x DP groups)": cfg.balance.active,
+        "resize.*": cfg.resize.active,
+        "hetero.*": cfg.hetero.active or cfg.hetero.pp_active or bool(cfg.hetero.speeds),
+        "device.profile": bool(cfg.device.profile),
+        "train.save / train.load (checkpoints shard ZeRO's state over DP x CP)": bool(
+            cfg.train.save or cfg.train.load
+        ),
+    }
+    for what, used in unsupported.items():
+        _require(not used, f"parallel.cp {p.cp} does not run with {what} yet: set parallel.cp 1 for it")
 
 
 def _validate_architecture(cfg: MegahetConfig) -> None:

@@ -25,7 +25,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megahet.compat.deepspeed_norm import install_fused_grad_norm
 from megahet.compat.deepspeed_zero import mark_pipe_replicated
 from megahet.config import ConfigError, MegahetConfig, load_deepspeed_json
-from megahet.parallel import MegatronMpu
+from megahet.parallel import ContextParallelMpu, MegatronMpu
 from megahet.platform import cuda_available
 from megahet.policy.reshard_plan import decays
 
@@ -198,7 +198,7 @@ def build_engine(cfg: MegahetConfig, model: torch.nn.Module, dp_size: int, user_
         model=model,
         model_parameters=param_groups(model, cfg.train.weight_decay),
         config=ds_config,
-        mpu=MegatronMpu(),
+        mpu=ContextParallelMpu() if cfg.parallel.cp > 1 else MegatronMpu(),
         lr_scheduler=scheduler,
     )
     install_fused_grad_norm(engine.optimizer)  # one fused norm, not a float64 norm per parameter

@@ -3,7 +3,8 @@
 Role: runtime (process groups).
 
 Glossary: we say *TP group* for the ranks that split one layer's matmuls, *PP stage* for the ranks
-that hold one slice of the layers, *DP replica* for a full copy of the model, and *model parallel
+that hold one slice of the layers, *CP group* for the ranks that split each sequence (parallel.cp),
+*DP replica* for a full copy of the model (its CP ranks hold the same weights), and *model parallel
 group* for the TP x PP ranks of one DP replica (what DeepSpeed calls "model parallel").
 
     layout = initialize_parallel(tp=2, pp=2, seed=1234)   # after torchrun / deepspeed set env
@@ -46,6 +47,9 @@ class ParallelLayout:
     stage_layers: tuple[int, ...] | None = None
     """Layers per pipeline stage of the run (its plan's split, megahet/run_plan.py); None: as the
     configuration gives them (parallel.stage_layers, or even)."""
+    cp_rank: int = 0
+    cp_size: int = 1
+    """Context parallelism: this rank's place among the ranks that split each sequence (parallel.cp)."""
     weights_loaded: bool = False
     """Every weight of this rank's stage is overwritten right after the build by a loaded or moved state
     (a resume, a re-split, an elastic restart): the model builders then skip initializing them
@@ -63,21 +67,28 @@ class ParallelLayout:
 
     @property
     def is_logging_rank(self) -> bool:
-        """The rank that prints and logs: TP rank 0 of DP replica 0 on the last stage."""
-        return self.tp_rank == 0 and self.dp_rank == 0 and self.is_last_stage
+        """The rank that prints and logs: TP rank 0 and CP rank 0 of DP replica 0 on the last stage."""
+        return self.tp_rank == 0 and self.cp_rank == 0 and self.dp_rank == 0 and self.is_last_stage
 
 
-def check_world_size(world_size: int, tp: int, pp: int) -> int:
-    """Return the DP size, or raise a one-line ConfigError when TP x PP does not divide the world (the one
-    copy of this check: config validation and initialize_parallel both call it)."""
-    if tp < 1 or pp < 1:
-        raise ConfigError(f"tensor/pipeline parallel sizes must be >= 1 (got tp={tp}, pp={pp})")
-    if world_size % (tp * pp) != 0:
+def check_world_size(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
+    """Return the DP size, or raise a one-line ConfigError when TP x PP (x CP) does not divide the world
+    (the one copy of this check: config validation and initialize_parallel both call it)."""
+    if tp < 1 or pp < 1 or cp < 1:
         raise ConfigError(
-            f"world size {world_size} is not divisible by TP*PP = {tp}*{pp} = {tp * pp}: "
-            f"launch a multiple of {tp * pp} ranks or change --parallel.tp / --parallel.pp"
+            f"tensor/pipeline/context parallel sizes must be >= 1 (got tp={tp}, pp={pp}, cp={cp})"
         )
-    return world_size // (tp * pp)
+    if world_size % (tp * pp * cp) != 0:
+        names = "TP*PP" if cp == 1 else "TP*PP*CP"
+        sizes = f"{tp}*{pp}" if cp == 1 else f"{tp}*{pp}*{cp}"
+        flags = (
+            "--parallel.tp / --parallel.pp" if cp == 1 else "--parallel.tp / --parallel.pp / --parallel.cp"
+        )
+        raise ConfigError(
+            f"world size {world_size} is not divisible by {names} = {sizes} = {tp * pp * cp}: "
+            f"launch a multiple of {tp * pp * cp} ranks or change {flags}"
+        )
+    return world_size // (tp * pp * cp)
 
 
 def mesh_coords(world_size: int, tp: int, pp: int) -> list[tuple[int, int, int]]:
@@ -124,14 +135,18 @@ def _elastic_attempt_store(timeout: datetime.timedelta):
     return dist.PrefixStore(f"megahet/attempt_{attempt}_world_{os.environ['WORLD_SIZE']}/", store)
 
 
-def initialize_parallel(tp: int, pp: int, seed: int, timeout_minutes: int = 10) -> ParallelLayout:
+def initialize_parallel(
+    tp: int, pp: int, seed: int, timeout_minutes: int = 10, cp: int = 1
+) -> ParallelLayout:
     """Start torch.distributed (if needed), build megatron-core's groups, and seed every stream."""
     apply_cpu_shims()
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    check_world_size(world, tp, pp)  # before any rank waits on a collective
+    check_world_size(world, tp, pp, cp)  # before any rank waits on a collective
     _init_process_group(timeout_minutes)
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+        )
     random.seed(seed)  # as Megatron-LM's _set_random_seed: every stream a checkpoint saves is seeded
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -149,6 +164,8 @@ def current_layout() -> ParallelLayout:
         pp_size=ps.get_pipeline_model_parallel_world_size(),
         dp_rank=ps.get_data_parallel_rank(),
         dp_size=ps.get_data_parallel_world_size(),
+        cp_rank=ps.get_context_parallel_rank(),
+        cp_size=ps.get_context_parallel_world_size(),
     )
 
 
@@ -166,8 +183,9 @@ class MegatronMpu:
     of one replica) to keep ZeRO from mixing them and to compute gradient norms once. In 3D
     parallelism that is the TP x PP group. Passing no mpu is silently wrong: DeepSpeed would
     treat every rank as a data-parallel replica and broadcast rank 0's TP shard over the others.
-    We deliberately expose no `get_sequence_parallel_*`: DeepSpeed reads those as Ulysses
-    sequence parallelism, which is not Megatron's TP sequence parallelism.
+    It exposes no `get_sequence_parallel_*`: DeepSpeed reads those as its (Ulysses) sequence parallelism,
+    which is not Megatron's TP sequence parallelism; context parallelism hands them over
+    (`ContextParallelMpu`), for which DeepSpeed's gradient handling is the right one.
     """
 
     get_model_parallel_group = staticmethod(ps.get_model_parallel_group)
@@ -195,3 +213,27 @@ class MegatronMpu:
     @staticmethod
     def get_data_parallel_group_ranks() -> list[int]:
         return dist.get_process_group_ranks(ps.get_data_parallel_group())
+
+
+class ContextParallelMpu(MegatronMpu):
+    """The mpu with context parallelism (parallel.cp > 1): the CP ranks are DeepSpeed's sequence-parallel
+    ranks. DeepSpeed then partitions ZeRO's state over DP x CP, reduces gradients over DP x CP and divides
+    them by DP alone (`seq_dp_world_size / sequence_parallel_size`): the CP ranks' gradients, each of its own
+    tokens' share of the loss, are summed and the replicas' averaged, as megatron-core's DDP over
+    `with_context_parallel` groups does. Its batch size counts DP only (the CP ranks share the samples)."""
+
+    get_sequence_parallel_group = staticmethod(ps.get_context_parallel_group)
+    get_sequence_parallel_rank = staticmethod(ps.get_context_parallel_rank)
+    get_sequence_parallel_world_size = staticmethod(ps.get_context_parallel_world_size)
+
+    @staticmethod
+    def get_sequence_data_parallel_group():
+        return ps.get_data_parallel_group(with_context_parallel=True)
+
+    @staticmethod
+    def get_sequence_data_parallel_rank() -> int:
+        return ps.get_data_parallel_rank(with_context_parallel=True)
+
+    @staticmethod
+    def get_sequence_data_parallel_world_size() -> int:
+        return ps.get_data_parallel_world_size(with_context_parallel=True)

@@ -55,7 +55,9 @@ def setup(cfg: MegahetConfig, spec: TaskSpec, extra_hooks: Sequence[StepHook] = 
     if int(os.environ.get("RANK", "0")) == 0:  # once, before any rank starts work
         for note in plan.notes:
             print(f"megahet: {note}", flush=True)
-    layout = initialize_parallel(plan.tp, plan.pp, cfg.train.seed, cfg.parallel.distributed_timeout_minutes)
+    layout = initialize_parallel(
+        plan.tp, plan.pp, cfg.train.seed, cfg.parallel.distributed_timeout_minutes, cp=cfg.parallel.cp
+    )
     record_peers()
     resume, restore = plan.resume, None
     if plan.reshard:  # every rank reads its own slices; else rank 0 reshards the whole checkpoint
@@ -98,8 +100,9 @@ def build_trainer(
     dist.all_reduce(build_s, op=dist.ReduceOp.MAX)  # one value on every rank: decisions that use it agree
     logger = logger or TrainingLogger(cfg, layout, run_name=spec.name)
     split = f" (layers {plan.split})" if plan.split.uneven else ""
+    cp = f" x CP {layout.cp_size}" if layout.cp_size > 1 else ""
     logger.print(
-        f"megahet {spec.name}: world {layout.world_size} = TP {layout.tp_size} x PP {layout.pp_size}{split} x "
+        f"megahet {spec.name}: world {layout.world_size} = TP {layout.tp_size}{cp} x PP {layout.pp_size}{split} x "
         f"DP {layout.dp_size}, ZeRO-{cfg.parallel.zero_stage}, {cfg.train.precision}, "
         f"{sum(p.numel() for p in task.model.parameters())} parameters on this rank"
     )

@@ -10,7 +10,8 @@ replaces.
     apply_cpu_shims()          # no-op when torch.cuda.is_available()
 
 Private API replaced (CPU only): `torch.cuda.current_device` / `synchronize`, `Tensor.cuda`,
-megatron-core's `get_default_causal_mask` (transformer.utils and fusions.fused_softmax), the `torch`
+megatron-core's `get_default_causal_mask` (transformer.utils and fusions.fused_softmax) and
+`get_pos_emb_on_this_cp_rank` (rope_utils and rotary_pos_embedding), the `torch`
 module global of `pipeline_parallel.schedules`, `tensor_parallel.random`'s `_CUDA_RNG_STATE_TRACKER`,
 `_CUDA_RNG_STATE_TRACKER_INITIALIZED` and `initialize_rng_tracker`, and DeepSpeed's
 `deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"]`.
@@ -80,6 +81,16 @@ def _cpu_tensor_cuda(self, device=None, non_blocking=False, **kwargs):
     # Reason: LanguageModule.setup_embeddings_and_output_layer() calls `weight.data.cuda()` before
     # all-reducing the tied embedding across the first and last pipeline stage.
     return self
+
+
+def _cpu_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    # Reason: megatron-core builds the chunk index in pinned memory and moves it with .cuda(): pinned
+    # memory needs an accelerator. The same head-tail chunks (r, 2cp - 1 - r), indexed on the embedding's device.
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[(seq_dim + 1) :])
+    pos_emb = pos_emb.index_select(seq_dim, index)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[(seq_dim + 2) :])
 
 
 def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
@@ -153,6 +164,12 @@ def apply_cpu_shims() -> list[str]:
     transformer_utils.get_default_causal_mask = _cpu_default_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
     _APPLIED.append("get_default_causal_mask")
+
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+
+    rope_utils.get_pos_emb_on_this_cp_rank = _cpu_pos_emb_on_this_cp_rank
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _cpu_pos_emb_on_this_cp_rank
+    _APPLIED.append("get_pos_emb_on_this_cp_rank")
 
     from megatron.core.pipeline_parallel import schedules
 

@@ -23,6 +23,7 @@ cost is truly sum(s^2).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -37,6 +38,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
+
+from megahet.models.context_parallel import cp_attention
 
 
 @dataclasses.dataclass
@@ -79,8 +82,6 @@ class SDPACoreAttention(MegatronModule):
         pg_collection=None,
     ):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise NotImplementedError("SDPA core attention does not support context parallelism")
         if config.softmax_type != "vanilla" or config.window_size is not None:
             raise NotImplementedError(
                 "SDPA core attention supports the vanilla softmax over full windows: "
@@ -109,6 +110,12 @@ class SDPACoreAttention(MegatronModule):
             else 1.0 / math.sqrt(self.hidden_size_per_attention_head)
         )
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.cp_group = None
+        """Context parallelism (config.context_parallel_size > 1): the ranks that split the sequence; queries
+        are this rank's head-tail chunks and the keys / values are gathered (megahet/models/context_parallel.py)."""
+        if config.context_parallel_size > 1:
+            cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+            self.cp_group = cp if cp is not None else parallel_state.get_context_parallel_group()
 
     def forward(
         self,
@@ -136,7 +143,15 @@ class SDPACoreAttention(MegatronModule):
             causal = True
         dropout = self.dropout_p if self.training else 0.0
         gqa = k.shape[1] != np_
-        if dropout > 0.0 and not self.config.sequence_parallel:
+        if self.cp_group is not None:
+            if mask is not None:
+                raise NotImplementedError(
+                    "context parallelism runs causal or unmasked attention, not a given mask"
+                )
+            causal = mask_type == AttnMaskType.causal
+            with tensor_parallel.get_cuda_rng_tracker().fork() if dropout > 0.0 else contextlib.nullcontext():
+                context = cp_attention(q, k, v, self.cp_group, self._sdpa, causal, dropout)  # (b, np, sq, hn)
+        elif dropout > 0.0 and not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 context = self._sdpa(q, k, v, mask, dropout, causal, gqa)
         else:
@@ -145,6 +160,8 @@ class SDPACoreAttention(MegatronModule):
 
     def _packed(self, query, key, value, params) -> torch.Tensor:
         """Causal attention inside each packed document: (t, np, hn), (t, ng, hn) x2 -> (t, np*hn)."""
+        if self.cp_group is not None:
+            raise NotImplementedError("packed documents do not run with context parallelism yet (issue 45)")
         if params.qkv_format != "thd" or self.attn_mask_type != AttnMaskType.causal:
             raise NotImplementedError("packed documents need causal attention in the thd format")
         if self.training and self.dropout_p > 0.0:

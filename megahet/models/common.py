@@ -115,6 +115,7 @@ def transformer_config(
         ffn_hidden_size=m.ffn_size,
         tensor_model_parallel_size=p.tp,
         pipeline_model_parallel_size=p.pp,
+        context_parallel_size=p.cp,
         # Uneven stages through megatron-core's own seam; an even split needs none.
         pipeline_model_parallel_layout=megatron_layout(split) if len(set(split)) > 1 else None,
         hidden_dropout=m.hidden_dropout,

@@ -209,3 +209,32 @@ def test_doc_cost_must_be_finite_and_positive_before_ranks_start(text):
     with pytest.raises(ConfigError, match="data.doc_cost .* three finite numbers >= 0"):
         parse_doc_cost(text)
     assert parse_doc_cost("2e-9,1e-5,1e-3") == (2e-9, 1e-5, 1e-3)
+
+
+# --- context parallelism (issue 45) ---------------------------------------------------------------
+
+
+def test_cp_counts_in_the_world_and_not_in_dp() -> None:
+    """TP x CP x DP: the CP ranks share their replica's samples, so DP (and the batch check) excludes them."""
+    assert validate(_cfg(**{"parallel.cp": 2}), 4) == 2
+    assert validate(_cfg(**{"parallel.cp": 2, "parallel.tp": 2}), 4) == 1
+    _invalid(_cfg(**{"parallel.cp": 2, "parallel.tp": 2}), 6, "TP*PP*CP", "--parallel.cp")
+
+
+@pytest.mark.parametrize(
+    "overrides, needles",
+    [
+        ({"model.seq_length": 30}, ("model.seq_length 30", "multiple of 4")),
+        ({"model.attention": "local"}, ("model.attention sdpa",)),
+        ({"data.packing": "documents", "data.max_tokens": 64}, ("data.packing documents",)),
+        ({"parallel.pp": 2, "model.num_layers": 2}, ("parallel.pp > 1",)),
+        ({"balance.mode": "semi"}, ("balance.mode",)),
+        ({"balance.trace": "t.jsonl"}, ("balance.trace",)),
+        ({"resize.gamma": "0:0.5"}, ("resize.*",)),
+        ({"device.profile": "static:1,0.5"}, ("device.profile",)),
+        ({"train.save": "/tmp/ck"}, ("train.save",)),
+    ],
+)
+def test_what_cp_does_not_run_with_yet_gets_a_one_line_error(overrides: dict, needles: tuple) -> None:
+    cfg = _cfg(**{"parallel.cp": 2, "model.seq_length": 32, **overrides})
+    _invalid(cfg, 4, "parallel.cp 2", *needles)

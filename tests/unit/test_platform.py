@@ -24,6 +24,7 @@ import pytest
 import torch
 from megatron.core import tensor_parallel
 from megatron.core.fusions import fused_softmax
+from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
 from megatron.core.pipeline_parallel import p2p_communication, schedules
 from megatron.core.tensor_parallel import random as tp_random
 from megatron.core.transformer import utils as transformer_utils
@@ -42,6 +43,8 @@ _PATCHED = [
     (torch.Tensor, "cuda"),
     (transformer_utils, "get_default_causal_mask"),
     (fused_softmax, "get_default_causal_mask"),
+    (rope_utils, "get_pos_emb_on_this_cp_rank"),
+    (rotary_pos_embedding, "get_pos_emb_on_this_cp_rank"),
     (schedules, "torch"),
     (tp_random, "_CUDA_RNG_STATE_TRACKER"),
     (tp_random, "_CUDA_RNG_STATE_TRACKER_INITIALIZED"),
@@ -95,6 +98,7 @@ def test_apply_reports_every_shim_and_is_idempotent(shims: list[str]) -> None:
         "torch.cuda.synchronize",
         "Tensor.cuda",
         "get_default_causal_mask",
+        "get_pos_emb_on_this_cp_rank",
         "schedules.torch",
         "skip deepspeed_shm_comm build",
         "rng_tracker",
@@ -148,6 +152,23 @@ def test_default_causal_mask_on_cpu(shims: list[str], module) -> None:
     )
     assert torch.equal(mask, expected)
     assert module.get_default_causal_mask(1).tolist() == [[False]]
+
+
+def test_rotary_positions_of_a_cp_rank_on_cpu(shims: list[str]) -> None:
+    """megatron-core's RotaryEmbedding takes a context-parallel rank's positions through
+    get_pos_emb_on_this_cp_rank (pinned memory and .cuda() upstream): on CPU the same head-tail chunks."""
+
+    class Group:  # a CP group of 2, seen from its rank 1
+        def size(self):
+            return 2
+
+        def rank(self):
+            return 1
+
+    emb = torch.arange(8.0).view(8, 1, 1, 1)  # (s, 1, 1, dim): position p's embedding is p
+    for module in (rope_utils, rotary_pos_embedding):
+        mine = module.get_pos_emb_on_this_cp_rank(emb, 0, Group())
+        assert mine.flatten().tolist() == [2.0, 3.0, 4.0, 5.0]  # chunks 1 and 2 of 4
 
 
 def test_causal_softmax_uses_the_cpu_mask(shims: list[str]) -> None:

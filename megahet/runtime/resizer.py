@@ -66,7 +66,7 @@ class ResizeController(StepHook):
             dp_size=layout.dp_size,
             imputation=r.imputation,
             num_microbatches=num_microbatches,
-            track_gradients=self.tracks_priority(cfg),
+            track_gradients=self.tracks_priority(cfg, layout.tp_size),
             track_weights=r.priority_score == "taylor",
             score_samples=r.score_samples,
             tp_group=ps.get_tensor_model_parallel_group(),
@@ -80,11 +80,12 @@ class ResizeController(StepHook):
         self._flops_logged = 0
 
     @staticmethod
-    def tracks_priority(cfg: MegahetConfig) -> bool:
-        """Priority statistics are kept only where units can be dropped: static gammas, or a balancer
-        that resizes. Migration and the static, even split never select units."""
+    def tracks_priority(cfg: MegahetConfig, tp_size: int) -> bool:
+        """Priority statistics are kept only where units can be dropped: static gammas, or a balancer that
+        resizes a TP group of two or more (a group of one is always even: issue 48 measured the statistics
+        at 0.5 % of a host-bound step for nothing there). Migration and the even split never select units."""
         r = cfg.resize
-        resizes = bool(r.gamma or r.block_gamma) or cfg.balance.resizes
+        resizes = bool(r.gamma or r.block_gamma) or (cfg.balance.resizes and tp_size > 1)
         return r.selection == "priority" and resizes
 
     def _local_scores(self, block: BlockKey) -> np.ndarray:

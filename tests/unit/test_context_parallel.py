@@ -108,7 +108,6 @@ def test_the_vit_refuses_context_parallelism_before_any_rank_starts() -> None:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     import pretrain_vit
-
     from megahet.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=r"parallel.cp 2: the ViT's sequence .* set parallel.cp 1"):

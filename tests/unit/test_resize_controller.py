@@ -79,10 +79,12 @@ def test_controller_state_round_trip_resumes_the_same_plans(world1, score) -> No
             assert torch.equal(value, expected_weights[name]), name
 
 
-def test_controller_resizes_a_rank_the_balancer_names_for_the_first_time(world1) -> None:
+def test_controller_resizes_a_rank_the_balancer_names_for_the_first_time(world1, monkeypatch) -> None:
     """The balancer sets gammas at run time for ranks the config never resized; priority selection
-    (drop ages per rank) must plan them too, and the ages start counting from there."""
+    (drop ages per rank) must plan them too, and the ages start counting from there. (One process: its TP
+    group of one keeps statistics as a group of two would.)"""
 
+    monkeypatch.setattr(ResizeController, "tracks_priority", staticmethod(lambda cfg, tp_size: True))
     cfg = load_config(["--resize.selection", "priority", "--balance.mode", "resize"])
     model = gpt()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -111,10 +113,12 @@ def test_controller_resizes_a_rank_the_balancer_names_for_the_first_time(world1)
     ],
 )
 def test_priority_statistics_are_kept_only_where_units_can_be_dropped(args, tracked) -> None:
-    """Per-unit gradient statistics cost a copy of the gradients every step: only resizing needs them."""
+    """Per-unit gradient statistics cost a copy of the gradients every step: only resizing needs them, and
+    a balancer resizes only a TP group of two or more (static gammas are the user's, at any size)."""
 
     cfg = load_config(["--parallel.tp", "2", *args])
-    assert ResizeController.tracks_priority(cfg) is tracked
+    assert ResizeController.tracks_priority(cfg, 2) is tracked
+    assert ResizeController.tracks_priority(cfg, 1) is (tracked and "--resize.gamma" in args)
 
 
 def test_controller_keeps_a_multiple_of_unit_multiple_mlp_units(world1) -> None:

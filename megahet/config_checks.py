@@ -216,7 +216,6 @@ def _validate_context_parallel(cfg: MegahetConfig) -> None:
     unsupported = {
         "data.packing documents (packed documents are split per document in a later step)": cfg.data.packing
         == "documents",
-        "parallel.pp > 1": p.pp > 1,
         "balance.mode / balance.trace (the balancers measure TP x DP groups)": cfg.balance.active,
         "resize.*": cfg.resize.active,
         "hetero.*": cfg.hetero.active or cfg.hetero.pp_active or bool(cfg.hetero.speeds),

@@ -92,7 +92,7 @@ class ParallelConfig(_Section):
     cp: int = 1
     """Context-parallel size: ranks that split every sequence (2 x cp chunks, head-tail: rank r holds chunks
     r and 2cp - 1 - r) and all-gather the keys and values per layer (megahet/models/context_parallel.py).
-    Gradients are summed over CP and averaged over DP; the world is TP x CP x DP x PP."""
+    Gradients are summed over CP and averaged over DP; the world is TP x CP x DP x PP (docs/context_parallel.md)."""
     stage_layers: str | None = None
     """Transformer layers per pipeline stage, 'L0,L1,...' (each >= 1, summing to model.num_layers), e.g.
     3,5 to give a slow first stage fewer layers; None: model.num_layers / pp each (or hetero.pp_split's)."""

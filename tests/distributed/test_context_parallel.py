@@ -6,7 +6,8 @@ end); the per-step loss and gradient norm and the validation loss of the CP runs
 run without CP to fp32 tolerance:
 - the GPT (learned positions, tied embeddings) at CP 2 x DP 2 with ZeRO-1 against DP 2 (the evaluation
   reads DP x its iterations' samples): gradients summed over CP and averaged over DP by DeepSpeed (the CP
-  ranks are its sequence-parallel ranks);
+  ranks are its sequence-parallel ranks); and at CP 2 x PP 2 against PP 2 (a pipeline run initializes
+  each stage's layers from its own seed stream, so it is compared with a pipeline run);
 - the Llama shape (rotary positions, grouped-query attention, SwiGLU) at CP 2, and at TP 2 x CP 2, against
   one rank.
 
@@ -38,10 +39,14 @@ def llama_reference(tmp_path_factory, gpt_data):
     return _curves(tmp_path_factory.mktemp("llama_ref"), gpt_data, LLAMA_MODEL, 1, [])
 
 
-def test_gpt_at_cp2_dp2_trains_as_dp2(tmp_path, gpt_data):
-    reference = _curves(tmp_path / "ref", gpt_data, GPT_MODEL, 2, [])
-    split = _curves(tmp_path / "cp", gpt_data, GPT_MODEL, 4, ["--parallel.cp", "2"])
-    _same("gpt cp2 x dp2", split, reference)
+@pytest.mark.parametrize("other", ["dp2", "pp2"])
+def test_gpt_at_cp2_trains_as_without_cp(tmp_path, gpt_data, other):
+    """CP 2 x DP 2 against DP 2; CP 2 x PP 2 against PP 2 (megatron-core's schedule sends each stage's
+    sequence chunks: its tensor shapes divide by CP)."""
+    parallel = {"dp2": [], "pp2": ["--parallel.pp", "2"]}[other]
+    reference = _curves(tmp_path / "ref", gpt_data, GPT_MODEL, 2, parallel)
+    split = _curves(tmp_path / "cp", gpt_data, GPT_MODEL, 4, ["--parallel.cp", "2", *parallel])
+    _same(f"gpt cp2 x {other}", split, reference)
 
 
 @pytest.mark.parametrize("parallel, nproc", [(["--parallel.cp", "2"], 2), (["--parallel.cp", "2", "--parallel.tp", "2"], 4)],

@@ -3,7 +3,7 @@ sequence: 2 and 4 CP ranks (gloo, spawned processes), causal and unmasked, multi
 the outputs of each rank's chunks and the gradients of its queries, keys and values match the unsplit
 attention's at the same tokens.
 
-Run: ``python -m pytest tests/unit/test_context_parallel.py -q`` (about 20 s).
+Run: ``python -m pytest tests/unit/test_cp_attention.py -q`` (about 20 s).
 """
 
 from __future__ import annotations

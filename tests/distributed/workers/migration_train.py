@@ -83,6 +83,7 @@ def run(name: str, task: str, mode: str, argv: list[str], out: Path) -> None:
         previous = executor.plan
         if mode == "schedule" and step in SCHEDULE_MOVES:
             controller.moves = SCHEDULE_MOVES[step]
+            controller.request_replan()  # as the balancer's set_targets does
         before_forward_backward(step)
         if mode == "schedule" and step in HAND_PLANS:
             executor.apply(HAND_PLANS[step])

@@ -8,8 +8,7 @@ run without CP to fp32 tolerance:
   reads DP x its iterations' samples): gradients summed over CP and averaged over DP by DeepSpeed (the CP
   ranks are its sequence-parallel ranks); and at CP 2 x PP 2 against PP 2 (a pipeline run initializes
   each stage's layers from its own seed stream, so it is compared with a pipeline run);
-- the Llama shape (rotary positions, grouped-query attention, SwiGLU) at CP 2, and at TP 2 x CP 2, against
-  one rank.
+- the Llama shape (rotary positions, grouped-query attention, SwiGLU) at TP 2 x CP 2 against one rank.
 
 Run: python -m pytest tests/distributed/test_context_parallel.py -q   (about 2 minutes on 2 cores)
 """
@@ -34,11 +33,6 @@ def _same(test: str, actual: dict, expected: dict) -> None:
         compare(test, key, actual[key], expected[key], rtol=2e-5, atol_scale=1e-6)
 
 
-@pytest.fixture(scope="module")
-def llama_reference(tmp_path_factory, gpt_data):
-    return _curves(tmp_path_factory.mktemp("llama_ref"), gpt_data, LLAMA_MODEL, 1, [])
-
-
 @pytest.mark.parametrize("other", ["dp2", "pp2"])
 def test_gpt_at_cp2_trains_as_without_cp(tmp_path, gpt_data, other):
     """CP 2 x DP 2 against DP 2; CP 2 x PP 2 against PP 2 (megatron-core's schedule sends each stage's
@@ -49,8 +43,8 @@ def test_gpt_at_cp2_trains_as_without_cp(tmp_path, gpt_data, other):
     _same(f"gpt cp2 x {other}", split, reference)
 
 
-@pytest.mark.parametrize("parallel, nproc", [(["--parallel.cp", "2"], 2), (["--parallel.cp", "2", "--parallel.tp", "2"], 4)],
-                         ids=["cp2", "tp2_cp2"])  # fmt: skip
-def test_llama_with_rope_and_gqa_trains_as_one_rank(tmp_path, gpt_data, llama_reference, parallel, nproc):
-    split = _curves(tmp_path, gpt_data, LLAMA_MODEL, nproc, parallel)
-    _same(f"llama {'x'.join(parallel[1::2])}", split, llama_reference)
+def test_llama_with_rope_and_gqa_at_tp2_cp2_trains_as_one_rank(tmp_path, gpt_data):
+    """Rotary positions of each rank's chunks, grouped-query heads split over TP and gathered over CP."""
+    reference = _curves(tmp_path / "ref", gpt_data, LLAMA_MODEL, 1, [])
+    split = _curves(tmp_path / "cp", gpt_data, LLAMA_MODEL, 4, ["--parallel.cp", "2", "--parallel.tp", "2"])
+    _same("llama tp2 x cp2", split, reference)

@@ -79,11 +79,9 @@ def check_world_size(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
             f"tensor/pipeline/context parallel sizes must be >= 1 (got tp={tp}, pp={pp}, cp={cp})"
         )
     if world_size % (tp * pp * cp) != 0:
-        names = "TP*PP" if cp == 1 else "TP*PP*CP"
-        sizes = f"{tp}*{pp}" if cp == 1 else f"{tp}*{pp}*{cp}"
-        flags = (
-            "--parallel.tp / --parallel.pp" if cp == 1 else "--parallel.tp / --parallel.pp / --parallel.cp"
-        )
+        dims = [("TP", tp), ("PP", pp)] + ([("CP", cp)] if cp > 1 else [])  # CP named only where it is used
+        names, sizes = "*".join(n for n, _ in dims), "*".join(str(v) for _, v in dims)
+        flags = " / ".join(f"--parallel.{n.lower()}" for n, _ in dims)
         raise ConfigError(
             f"world size {world_size} is not divisible by {names} = {sizes} = {tp * pp * cp}: "
             f"launch a multiple of {tp * pp * cp} ranks or change {flags}"

@@ -19,6 +19,10 @@ value come as (tokens, heads, hn) and attention stays inside each document, caus
 bf16/fp16 it runs `torch.nn.attention.varlen.varlen_attn` (flash, its causal switch detected from the
 signature: `window_size=(-1, 0)` or `is_causal=True`); elsewhere causal SDPA per document, exact, whose
 cost is truly sum(s^2).
+
+Context parallelism (config.context_parallel_size > 1, parallel.cp): the queries are this rank's head-tail
+chunks of the sequence, and the keys and values are gathered over the CP group
+(megahet/models/context_parallel.py).
 """
 
 from __future__ import annotations

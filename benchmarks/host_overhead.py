@@ -2,7 +2,7 @@
 of plain megatron-core, megahet without a balancer, megahet measuring, and SEMI (at its defaults and
 deciding every step), side by side in one launch per tensor-parallel size.
 
-    python benchmarks/host_overhead.py                       # CPU: tiny Llama, TP=1 and TP=2, ~3 min on 2 cores
+    python benchmarks/host_overhead.py                       # CPU: tiny Llama, TP=1 and TP=2, ~9 min on 2 cores
     python benchmarks/host_overhead.py --tp 1 --rounds 5
     python benchmarks/host_overhead.py --rounds 0 --healthy-gap 0.9 --name host_counts   # counts only, as CI
     python benchmarks/host_overhead.py --arch llama --layers 24 --hidden 1536 --heads 12 --groups 4 \\

@@ -396,18 +396,20 @@ def full_and_killed_runs(
     common: list[str],
     killed_rank: Callable[[int], int],
     kill_at: Callable[[str], str] = lambda variant: "10",
+    reference: Callable[[str], str] = lambda variant: variant,
 ) -> str:
     """Kill-and-resume runs of workers/ckpt_train.py on 4 ranks: one launch runs `full_<v>` for every
     variant v, uninterrupted; a second runs `ck_<v>` from a copy of full_<v>'s step-4 checkpoint under
     torchrun --max_restarts, where in attempt k rank killed_rank(k) SIGKILLs itself in the middle of step
     10 of the k-th variant (or kill_at(variant): a step, or "move", the start of its first re-split's
     state move), every rank restarts and the run resumes from its own latest checkpoint.
-    `job(name, variant, load)`: that run's --job arguments. Returns the second launch's output."""
-    full = [arg for v in variants for arg in job(f"full_{v}", v, False)]
+    `job(name, variant, load)`: that run's --job arguments. Variants that train the same run share one
+    uninterrupted run: ck_<v> starts from full_<reference(v)>. Returns the second launch's output."""
+    full = [arg for v in dict.fromkeys(map(reference, variants)) for arg in job(f"full_{v}", v, False)]
     torchrun("workers/ckpt_train.py", 4, ["--out", str(out), *full, *common], cwd=out, timeout=400)
     resumed, faults = [], []
     for k, v in enumerate(variants):
-        start_from_copy(out / f"full_{v}", out / f"ck_{v}")
+        start_from_copy(out / f"full_{reference(v)}", out / f"ck_{v}")
         resumed += job(f"ck_{v}", v, True)
         faults += ["--fault", f"ck_{v}:{kill_at(v)}:{killed_rank(k)}"]
     return launch(

@@ -7,7 +7,8 @@ pretrain() does), each uninterrupted and killed-and-resumed, like test_resume_ba
 - `pp`: PP=2 x DP=2, 8 layers, `hetero.pp_split measured`; stage 1 (ranks 2 and 3) becomes four times
   slower from SLOW_FROM: the stages are re-split (the layers move rank to rank) after step 4;
 - `pp_move`: the same run, killed in the middle of its first re-split's state move (nothing of the move
-  is on disk): it resumes from its step-4 checkpoint and re-splits again.
+  is on disk): it resumes from its step-4 checkpoint and re-splits again. Its uninterrupted run is
+  `full_pp` (the same job).
 `ck_<job>` starts from a copy of full_<job>'s step-4 checkpoint (the balancer's samples, the shares or
 split, RNG), one of its ranks SIGKILLs itself in the middle of step KILL_STEP, torchrun restarts every
 rank and the run resumes from its own latest checkpoint. Its per-step loss, gradient norm and LR, its
@@ -42,7 +43,7 @@ COMMON = [
     "--train.global_batch_size", "16",
     "--train.save_interval", "4",
     "--resize.enabled", "true",
-    "--device.rate_gflops", "0.5",
+    "--device.rate_gflops", "1",
     "--hetero.hysteresis", "0.2",
 ]  # fmt: skip
 JOBS = {
@@ -52,6 +53,7 @@ JOBS = {
     f"--hetero.pp_patience 2 --hetero.healthy_gap 0.2 --device.profile schedule:0=1,1,1,1;{SLOW_FROM}=1,1,0.25,0.25",
 }
 JOBS["pp_move"] = JOBS["pp"]  # killed in the middle of its first re-split's state move
+FULL = {"dp": "dp", "pp": "pp", "pp_move": "pp"}  # the uninterrupted run each killed one must equal
 KILL_AT = {"dp": str(KILL_STEP), "pp": str(KILL_STEP), "pp_move": "move"}
 PLAN_KEYS = {
     "dp": ("share_dp0", "share_dp1", "share_dp2", "share_dp3"),
@@ -74,7 +76,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory, gpt_data: list[str]) -> tuple
     def job(name: str, variant: str, load: bool) -> list[str]:
         return _job(name, variant, out, load=load)
 
-    output = full_and_killed_runs(out, JOBS, job, common, killed_rank=lambda k: k + 1, kill_at=KILL_AT.get)
+    output = full_and_killed_runs(
+        out, JOBS, job, common, killed_rank=lambda k: k + 1, kill_at=KILL_AT.get, reference=FULL.get
+    )
     return out, output
 
 
@@ -88,7 +92,7 @@ def test_every_fault_was_a_real_kill_and_restart(runs) -> None:
         lines = (out / f"ck_{job}.jsonl").read_text().splitlines()
         twice = KILL_STEP - 1
         if job == "pp_move":
-            twice = min(s for s, r in read_records(out / f"full_{job}.jsonl").items() if "resplit_s" in r)
+            twice = min(s for s, r in read_records(out / f"full_{FULL[job]}.jsonl").items() if "resplit_s" in r)
         again = [line for line in lines if f'"step": {twice},' in line and '"loss"' in line]
         assert len(again) == 2, f"{job}: step {twice} not run twice"
 
@@ -96,7 +100,7 @@ def test_every_fault_was_a_real_kill_and_restart(runs) -> None:
 @pytest.mark.parametrize("job", JOBS)
 def test_kill_and_resume_is_exact(runs, job: str) -> None:
     out, _ = runs
-    full, resumed = read_records(out / f"full_{job}.jsonl"), read_records(out / f"ck_{job}.jsonl")
+    full, resumed = read_records(out / f"full_{FULL[job]}.jsonl"), read_records(out / f"ck_{job}.jsonl")
     steps = range(5, STEPS + 1)
     assert all(s in resumed and "loss" in resumed[s] for s in steps), sorted(resumed)
     plan = [tuple(resumed[s][k] for k in PLAN_KEYS[job]) for s in steps]
@@ -117,7 +121,7 @@ def test_stages_whose_state_is_loaded_skip_initializing_their_weights(runs) -> N
 
 
 def _names() -> list[str]:
-    return [f"{run}_{job}" for run in ("full", "ck") for job in JOBS]
+    return [f"full_{job}" for job in dict.fromkeys(FULL.values())] + [f"ck_{job}" for job in JOBS]
 
 
 @pytest.mark.parametrize("job", JOBS)
@@ -130,7 +134,7 @@ def test_final_checkpoint_saves_the_uninterrupted_rng_states(runs, job: str) -> 
     tag = f"iter_{STEPS:07d}"
     for rank in range(4):
         name = f"megahet_rank_{rank:05d}.pt"
-        full = load_file(out / f"full_{job}" / tag / name)["rng"]
+        full = load_file(out / f"full_{FULL[job]}" / tag / name)["rng"]
         resumed = load_file(out / f"ck_{job}" / tag / name)["rng"]
         assert full["python"] == resumed["python"], f"{job} rank {rank}: Python RNG differs"
         assert full["numpy"] == resumed["numpy"], f"{job} rank {rank}: NumPy RNG differs"
@@ -153,7 +157,7 @@ def test_saved_python_and_numpy_states_are_the_seeded_ones(runs) -> None:
     np.random.seed(SEED)
     python, (name, key, *rest) = random.getstate(), np.random.get_state()
     out, _ = runs
-    for job in JOBS:
+    for job in dict.fromkeys(FULL.values()):
         saved = load_file(out / f"full_{job}" / "iter_0000004" / "megahet_rank_00000.pt")["rng"]
         assert saved["python"] == python, f"{job}: the Python RNG state is not the seeded one"
         assert saved["numpy"] == (name, key.tolist(), *rest), (

@@ -36,12 +36,12 @@ from megahet.runtime.resizer import ResizeController
 from megahet.tensor_parallel.plan import ResizePlan, block_name
 from megahet.training import setup
 
-# schedule mode (DP=2, TP=4, reselect_interval 4): controller.moves set before these steps' reselection
+# schedule mode (DP=2, TP=4, reselect_interval 3): controller.moves set before these steps' reselection
 SCHEDULE_MOVES = {
-    4: {},  # move everything back
-    8: {(0, 2): (0.85, (0,)), (1, 1): (0.5, (3,))},  # other owners, other helpers, per replica
-    12: {(0, 1): (0.5, (0, 2)), (1, 0): (0.85, (3, 1))},
-    16: {(0, 3): (0.5, (1,)), (1, 3): (0.5, (0, 1, 2))},
+    3: {},  # move everything back
+    6: {(0, 2): (0.85, (0,)), (1, 1): (0.5, (3,))},  # other owners, other helpers, per replica
+    9: {(0, 1): (0.5, (0, 2)), (1, 0): (0.85, (3, 1))},
+    12: {(0, 3): (0.5, (1,)), (1, 3): (0.5, (0, 1, 2))},
 }
 _SWAP = {  # scattered units, two owners swapping units with each other, both replicas differently
     "migrated": {
@@ -55,7 +55,7 @@ _SWAP = {  # scattered units, two owners swapping units with each other, both re
         for layer in (1, 2)
     }
 }
-HAND_PLANS = {10: ResizePlan.from_dict(_SWAP), 17: ResizePlan.from_dict(_SWAP)}
+HAND_PLANS = {7: ResizePlan.from_dict(_SWAP), 13: ResizePlan.from_dict(_SWAP)}
 
 
 def shards(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -154,7 +154,9 @@ class SDPACoreAttention(MegatronModule):
                 )
             causal = mask_type == AttnMaskType.causal
             with tensor_parallel.get_cuda_rng_tracker().fork() if dropout > 0.0 else contextlib.nullcontext():
-                context = cp_attention(q, k, v, self.cp_group, self._sdpa, causal, dropout)  # (b, np, sq, hn)
+                context = cp_attention(
+                    q, k, v, self.cp_group, self._sdpa, causal, dropout, self.softmax_scale
+                )  # (b, np, sq, hn)
         elif dropout > 0.0 and not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 context = self._sdpa(q, k, v, mask, dropout, causal, gqa)

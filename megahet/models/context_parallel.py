@@ -32,6 +32,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from torch.nn.attention.bias import causal_lower_right
 
+from megahet.models.block_attention import causal_chunk_spans, merged_block_attention
+
 
 def head_tail_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:
     """The two of the 2 x cp sequence chunks CP rank `cp_rank` holds, in the order it holds them."""
@@ -89,18 +91,36 @@ Sdpa = Callable[..., torch.Tensor]
 
 
 def cp_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, sdpa: Sdpa, causal: bool, dropout: float = 0.0
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group,
+    sdpa: Sdpa,
+    causal: bool,
+    dropout: float = 0.0,
+    scale: float | None = None,
+    merge: bool | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence.
 
     q (b, np, 2L, hn): this rank's two chunks; k, v (b, ng, 2L, hn): its own chunks' keys and values.
     Returns (b, np, 2L, hn). `causal`: chunk i's queries attend to the keys of chunks 0..i (its own
-    lower-right corner causal); else to every key (no mask)."""
+    lower-right corner causal); else to every key (no mask). `scale`: the softmax scale `sdpa` applies.
+    `merge`: causal attention as key blocks merged by log-sum-exp (no mask: block_attention.py), else
+    SDPA with a lower-right causal bias; None chooses the blocks on CPU without dropout (the CPU flash
+    kernel materializes the bias as a mask), SDPA on CUDA (its fused kernels take the lower-right corner
+    without a mask) and with dropout (benchmarks/cp_attention_choice.py)."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     # (b, ng, 2L, hn) -> (2L, b, ng, hn) for the gather along the sequence, and back
     k_all, v_all = (gather_sequence(x.permute(2, 0, 1, 3), group).permute(1, 2, 0, 3) for x in (k, v))
     gqa = k.shape[1] != q.shape[1]
     length = q.shape[2] // 2
+    if merge is None:
+        merge = dropout == 0.0 and not q.is_cuda
+    if causal and merge:
+        return merged_block_attention(
+            q, k_all, v_all, causal_chunk_spans(head_tail_chunks(rank, cp), length), scale
+        )
     out = []
     for half, chunk in zip(q.split(length, dim=2), head_tail_chunks(rank, cp)):  # (b, np, L, hn) each
         if causal:

@@ -1,7 +1,8 @@
 """Context-parallel attention (megahet/models/context_parallel.py, issue 45) against attention over the whole
 sequence: 2 and 4 CP ranks (gloo, spawned processes), causal and unmasked, multi-head and grouped-query;
 the outputs of each rank's chunks and the gradients of its queries, keys and values match the unsplit
-attention's at the same tokens.
+attention's at the same tokens. Causal attention both ways: the key blocks merged by log-sum-exp (the CPU's
+choice) and SDPA with a lower-right causal bias (CUDA's, and with dropout).
 
 Run: ``python -m pytest tests/unit/test_cp_attention.py -q`` (about 20 s).
 """
@@ -44,15 +45,16 @@ def _worker(rank: int, world: int, port: int) -> None:
                 continue
             cp = dist.get_world_size(group)
             for ng in (NP, 2):  # multi-head, grouped-query
-                for causal in (True, False):
-                    _check(group, cp, ng, causal)
+                _check(group, cp, ng, causal=False)
+                for merge in (True, False):  # key blocks merged by log-sum-exp; SDPA, lower-right causal
+                    _check(group, cp, ng, causal=True, merge=merge)
             loss_sum, tokens = cp_totals(torch.tensor(float(rank + 1)), torch.tensor(10.0), group)
             assert loss_sum.item() == cp * (cp + 1) / 2 and tokens.item() == 10.0 * cp
     finally:
         dist.destroy_process_group()
 
 
-def _check(group, cp: int, ng: int, causal: bool) -> None:
+def _check(group, cp: int, ng: int, causal: bool, merge: bool | None = None) -> None:
     """This rank's chunks of CP attention against attention over the whole sequence, forward and backward."""
     rank = dist.get_rank(group)
     s = 2 * cp * L
@@ -66,7 +68,7 @@ def _check(group, cp: int, ng: int, causal: bool) -> None:
 
     mine = torch.cat([torch.arange(c * L, (c + 1) * L) for c in head_tail_chunks(rank, cp)])  # (2L,)
     lq, lk, lv = (x.detach()[:, :, mine].clone().requires_grad_() for x in (q, k, v))
-    out = cp_attention(lq, lk, lv, group, _sdpa, causal)  # (b, np, 2L, hn)
+    out = cp_attention(lq, lk, lv, group, _sdpa, causal, merge=merge)  # (b, np, 2L, hn)
     out.backward(grad_out[:, :, mine])
     torch.testing.assert_close(out, full.detach()[:, :, mine], rtol=1e-10, atol=1e-10)
     for local, whole in ((lq, q), (lk, k), (lv, v)):

@@ -220,9 +220,6 @@ def _validate_context_parallel(cfg: MegahetConfig) -> None:
         "resize.*": cfg.resize.active,
         "hetero.*": cfg.hetero.active or cfg.hetero.pp_active or bool(cfg.hetero.speeds),
         "device.profile": bool(cfg.device.profile),
-        "train.save / train.load (checkpoints shard ZeRO's state over DP x CP)": bool(
-            cfg.train.save or cfg.train.load
-        ),
     }
     for what, used in unsupported.items():
         _require(not used, f"parallel.cp {p.cp} does not run with {what} yet: set parallel.cp 1 for it")

@@ -155,7 +155,7 @@ def plan_run(cfg: MegahetConfig, spec, world_size: int | None = None) -> RunPlan
         moved = layout_note(resume, asked, cfg, world, reshard)
         notes += [moved] if moved else []
         if not reshard:
-            finder.check_compatible(resume, cfg, dp, split)
+            finder.check_compatible(resume, cfg, finder.zero_ranks(cfg, dp), split)
     shares, per_replica = _starting_shares(cfg, dp, speeds, cfg.data.packing == "documents")
     return RunPlan(
         cfg=cfg.freeze(),

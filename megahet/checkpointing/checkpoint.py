@@ -47,6 +47,7 @@ from megahet.checkpointing.finder import (
     rank_file,
     split_entry,
     tag_name,
+    zero_ranks,
 )
 from megahet.checkpointing.optimizer_state import load_into_engine
 from megahet.checkpointing.safe_load import load_file
@@ -211,7 +212,8 @@ def save(parts: CheckpointParts, progress: Progress, root: Path | None = None) -
         meta = {
             "format": FORMAT_VERSION,
             **dataclasses.asdict(progress),
-            "layout": layout_of(cfg, layout.dp_size, layout.stage_layers),
+            "layout": layout_of(cfg, zero_ranks(cfg, layout.dp_size), layout.stage_layers),
+            "context_parallel": cfg.parallel.cp,
             "world_size": layout.world_size,
             "model": dataclasses.asdict(cfg.model),
         }

@@ -50,7 +50,14 @@ import torch.distributed as dist
 
 from megahet.checkpointing.checkpoint import Progress
 from megahet.checkpointing.convert import reshard_into
-from megahet.checkpointing.finder import Resume, describe_layout, find_resume_in, layout_of, per_parameter
+from megahet.checkpointing.finder import (
+    Resume,
+    describe_layout,
+    find_resume_in,
+    layout_of,
+    per_parameter,
+    zero_ranks,
+)
 from megahet.checkpointing.optimizer_state import prepare_adam
 from megahet.checkpointing.safe_load import load_file
 from megahet.checkpointing.sharded_state import (
@@ -241,7 +248,8 @@ def read_resharded(cfg: MegahetConfig, resume: Resume, layout, split: Sequence[i
         return None
     params = checkpoint_params(folder, meta)
     old = saved_layout(meta)
-    new = Layout(layout.tp_size, layout.pp_size, layout.dp_size, tuple(split), tied=old.tied)
+    dp = zero_ranks(cfg, layout.dp_size)  # DP x CP: CP ranks hold ZeRO partitions as DP ranks do
+    new = Layout(layout.tp_size, layout.pp_size, dp, tuple(split), tied=old.tied)
     rows = {p.name: p.shape[0] for p in params}.get(WORD_EMBEDDING)
     vocab, m = meta.get("vocab_size"), cfg.model
     if rows is not None and (

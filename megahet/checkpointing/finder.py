@@ -172,10 +172,18 @@ def per_parameter(resume: Resume) -> bool:
 
 def layout_of(cfg: MegahetConfig, dp: int, split: Sequence[int] | None = None) -> dict:
     """The sharding a checkpoint records: TP x PP x DP, the ZeRO stage, and the layers per stage when
-    they are uneven (`split`: the run's, default parallel.stage_layers or even)."""
+    they are uneven (`split`: the run's, default parallel.stage_layers or even). `dp` counts the ranks
+    ZeRO partitions over: DP x CP with context parallelism (`zero_ranks`), whose ranks hold the same
+    weights and their own ZeRO partitions, as DP ranks do: a checkpoint does not depend on CP."""
     p = cfg.parallel
     split = stage_split(cfg) if split is None else split
     return {"tp": p.tp, "pp": p.pp, "dp": dp, "zero_stage": p.zero_stage, **split_entry(split)}
+
+
+def zero_ranks(cfg: MegahetConfig, dp: int) -> int:
+    """The ranks ZeRO partitions the optimizer state over: DP x CP (DeepSpeed's sequence-data-parallel
+    group, megahet/parallel.py), in megatron-core's rank order the index dp x cp + cp_rank."""
+    return dp * cfg.parallel.cp
 
 
 def split_entry(split) -> dict:

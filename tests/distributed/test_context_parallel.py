@@ -10,13 +10,30 @@ run without CP to fp32 tolerance:
   each stage's layers from its own seed stream, so it is compared with a pipeline run);
 - the Llama shape (rotary positions, grouped-query attention, SwiGLU) at TP 2 x CP 2 against one rank.
 
+Checkpoints do not depend on CP (ZeRO partitions over DP x CP, which DeepSpeed and the reshard see as DP):
+the CP 2 x DP 2 run saves at step 2, and resumes from there at CP 4 x DP 1 (4 ranks: DeepSpeed loads
+the same 4 ZeRO partitions) and at CP 1 x DP 2 (2 ranks: each reads its own slices of the 4 saved
+partitions); steps 3 and 4 follow the uninterrupted run to fp32 tolerance, its validation loss too where
+the DP size (how many samples the evaluation reads) is the same.
+
 Run: python -m pytest tests/distributed/test_context_parallel.py -q   (about 2 minutes on 2 cores)
 """
 
 from __future__ import annotations
 
 import pytest
-from harness import GPT_MODEL, LLAMA_MODEL, compare, short_run, torchrun_curves
+import torch
+from harness import (
+    GPT_MODEL,
+    LLAMA_MODEL,
+    compare,
+    metrics_job,
+    read_records,
+    short_run,
+    start_from_copy,
+    torchrun,
+    torchrun_curves,
+)
 
 SCRIPT = "../../pretrain_gpt.py"
 STEPS = 4
@@ -33,14 +50,53 @@ def _same(test: str, actual: dict, expected: dict) -> None:
         compare(test, key, actual[key], expected[key], rtol=2e-5, atol_scale=1e-6)
 
 
+@pytest.fixture(scope="module")
+def cp2_dp2(tmp_path_factory, gpt_data):
+    """The GPT at CP 2 x DP 2 (4 ranks), saving at steps 2 and 4: (its folder, its curves)."""
+    out = tmp_path_factory.mktemp("cp2_dp2")
+    saves = ["--train.save", str(out / "ck"), "--train.save_interval", "2"]
+    return out, _curves(out / "run", gpt_data, GPT_MODEL, 4, ["--parallel.cp", "2", *saves])
+
+
 @pytest.mark.parametrize("other", ["dp2", "pp2"])
-def test_gpt_at_cp2_trains_as_without_cp(tmp_path, gpt_data, other):
+def test_gpt_at_cp2_trains_as_without_cp(tmp_path, gpt_data, cp2_dp2, other):
     """CP 2 x DP 2 against DP 2; CP 2 x PP 2 against PP 2 (megatron-core's schedule sends each stage's
     sequence chunks: its tensor shapes divide by CP)."""
     parallel = {"dp2": [], "pp2": ["--parallel.pp", "2"]}[other]
     reference = _curves(tmp_path / "ref", gpt_data, GPT_MODEL, 2, parallel)
-    split = _curves(tmp_path / "cp", gpt_data, GPT_MODEL, 4, ["--parallel.cp", "2", *parallel])
+    if other == "dp2":
+        split = cp2_dp2[1]
+    else:
+        split = _curves(tmp_path / "cp", gpt_data, GPT_MODEL, 4, ["--parallel.cp", "2", *parallel])
     _same(f"gpt cp2 x {other}", split, reference)
+
+
+@pytest.mark.parametrize("nproc, cp, resharded", [(4, 4, False), (2, 1, True)], ids=["cp4_dp1", "cp1_dp2"])
+def test_a_cp_checkpoint_resumes_at_another_cp(tmp_path, gpt_data, cp2_dp2, nproc: int, cp: int, resharded):
+    """DP x CP 4 -> 4: DeepSpeed loads the ZeRO partitions as saved; 4 -> 2: each rank reads its slices."""
+    out, full = cp2_dp2
+    start_from_copy(out / "ck", tmp_path / "ck", "iter_0000002")
+    args = [
+        *GPT_MODEL,
+        *short_run(STEPS),
+        *gpt_data,
+        "--parallel.cp",
+        str(cp),
+        "--train.load",
+        str(tmp_path / "ck"),
+    ]
+    args, metrics = metrics_job(tmp_path, "resumed", args)
+    output = torchrun(SCRIPT, nproc, args, cwd=tmp_path, timeout=420)
+    resumed = read_records(metrics)
+    assert sorted(s for s, r in resumed.items() if "loss" in r) == [3, 4], sorted(resumed)
+    assert ("resharded from" in output) == resharded, output[-3000:]
+    same_dp = nproc // cp == 2
+    for key in ("loss", "grad_norm"):
+        actual = torch.tensor([resumed[s][key] for s in (3, 4)], dtype=torch.float64)
+        compare(f"cp2 -> cp{cp} resume", key, actual, full[key][2:], rtol=2e-5, atol_scale=1e-6)
+    if same_dp:
+        val = torch.tensor([resumed[STEPS]["val_loss"]], dtype=torch.float64)
+        compare(f"cp2 -> cp{cp} resume", "val_loss", val, full["val_loss"], rtol=2e-5, atol_scale=1e-6)
 
 
 def test_llama_with_rope_and_gqa_at_tp2_cp2_trains_as_one_rank(tmp_path, gpt_data):

@@ -231,9 +231,12 @@ def test_cp_counts_in_the_world_and_not_in_dp() -> None:
         ({"balance.trace": "t.jsonl"}, ("balance.trace",)),
         ({"resize.gamma": "0:0.5"}, ("resize.*",)),
         ({"device.profile": "static:1,0.5"}, ("device.profile",)),
-        ({"train.save": "/tmp/ck"}, ("train.save",)),
     ],
 )
 def test_what_cp_does_not_run_with_yet_gets_a_one_line_error(overrides: dict, needles: tuple) -> None:
     cfg = _cfg(**{"parallel.cp": 2, "model.seq_length": 32, **overrides})
     _invalid(cfg, 4, "parallel.cp 2", *needles)
+
+
+def test_cp_saves_and_resumes_checkpoints() -> None:
+    assert validate(_cfg(**{"parallel.cp": 2, "model.seq_length": 32, "train.save": "/tmp/ck"}), 4) == 2

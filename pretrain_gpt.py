@@ -31,7 +31,7 @@ from megahet.data.sampling import micro_batches, to_device
 from megahet.data.tokenizer import load_tokenizer
 from megahet.data.wheels import data_dir
 from megahet.models.attention import packed_documents
-from megahet.models.context_parallel import cp_group, cp_totals
+from megahet.models.context_parallel import cp_group, cp_totals, packed_on_this_cp_rank
 from megahet.models.gpt import build_gpt
 from megahet.parallel import ParallelLayout
 from megahet.policy.packing import DocCost
@@ -111,19 +111,16 @@ def forward_step(data_iterator, model):
 def token_sum_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     """Packed documents: the micro-batch's loss summed over its tokens, with its token count (megatron-core's
     per-token loss: the Trainer scales it by DP / the global batch's tokens, so every token weighs the same
-    whichever replica and micro-batch hold it)."""
+    whichever replica and micro-batch hold it). With context parallelism the sum is this rank's tokens' (the
+    CP ranks' gradients add up), the reported values the micro-batch's."""
     mask = loss_mask.float()  # (1, t)
     loss_sum = (per_token_loss.float() * mask).sum()
-    tokens = mask.sum()
-    return (
-        loss_sum,
-        tokens.int(),
-        {"loss": loss_sum.detach().clone(), "loss_sum": loss_sum.detach(), "tokens": tokens},
-    )
+    total, tokens = cp_totals(loss_sum, mask.sum(), cp_group())
+    return loss_sum, tokens.int(), {"loss": total.clone(), "loss_sum": total, "tokens": tokens}
 
 
 def packed_forward_step(data_iterator, model):
-    batch = to_device(next(data_iterator))
+    batch = packed_on_this_cp_rank(to_device(next(data_iterator)))  # with CP: its chunks of every document
     params = packed_documents(batch["cu_seqlens"], batch["doc_lengths"])
     per_token_loss = model(
         batch["tokens"], batch["position_ids"], None, labels=batch["labels"], packed_seq_params=params

@@ -214,8 +214,6 @@ def _validate_context_parallel(cfg: MegahetConfig) -> None:
         "parallelism): set model.attention sdpa",
     )
     unsupported = {
-        "data.packing documents (packed documents are split per document in a later step)": cfg.data.packing
-        == "documents",
         "balance.mode / balance.trace (the balancers measure TP x DP groups)": cfg.balance.active,
         "resize.*": cfg.resize.active,
         "hetero.*": cfg.hetero.active or cfg.hetero.pp_active or bool(cfg.hetero.speeds),

@@ -21,8 +21,8 @@ signature: `window_size=(-1, 0)` or `is_causal=True`); elsewhere causal SDPA per
 cost is truly sum(s^2).
 
 Context parallelism (config.context_parallel_size > 1, parallel.cp): the queries are this rank's head-tail
-chunks of the sequence, and the keys and values are gathered over the CP group
-(megahet/models/context_parallel.py).
+chunks of the sequence (of every document, when packed: megahet/models/cp_documents.py), and the keys and
+values are gathered over the CP group (megahet/models/context_parallel.py).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
-from megahet.models.context_parallel import cp_attention
+from megahet.models.context_parallel import cp_attention, cp_packed_attention
 
 
 @dataclasses.dataclass
@@ -166,8 +166,6 @@ class SDPACoreAttention(MegatronModule):
 
     def _packed(self, query, key, value, params) -> torch.Tensor:
         """Causal attention inside each packed document: (t, np, hn), (t, ng, hn) x2 -> (t, np*hn)."""
-        if self.cp_group is not None:
-            raise NotImplementedError("packed documents do not run with context parallelism yet (issue 45)")
         if params.qkv_format != "thd" or self.attn_mask_type != AttnMaskType.causal:
             raise NotImplementedError("packed documents need causal attention in the thd format")
         if self.training and self.dropout_p > 0.0:
@@ -177,6 +175,11 @@ class SDPACoreAttention(MegatronModule):
         cu = params.cu_seqlens_q  # int32 [docs + 1]
         t, np_, hn = query.shape
         gqa = key.shape[1] != np_
+        if self.cp_group is not None:  # this rank's chunks of every document (cp_documents.py)
+            lengths = list(getattr(params, "lengths", ())) or (cu[1:] - cu[:-1]).tolist()
+            scale = self.softmax_scale
+            out = cp_packed_attention(query, key, value, lengths, self.cp_group, self._sdpa, scale)
+            return out.reshape(t, np_ * hn)  # (t, np*hn)
         varlen = _varlen_attn() if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) else None
         if varlen is not None:
             return varlen(query, key, value, cu, params.max_seqlen_q, self.softmax_scale).reshape(t, np_ * hn)

@@ -25,14 +25,16 @@ ranks are its "sequence parallel" ranks: megahet/parallel.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from torch.nn.attention.bias import causal_lower_right
 
-from megahet.models.block_attention import causal_chunk_spans, merged_block_attention
+from megahet.models.block_attention import Span, causal_chunk_spans, merged_block_attention
+from megahet.models.cp_documents import DocumentLayout, packed_batch_on_this_cp_rank
 
 
 def head_tail_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:
@@ -105,31 +107,65 @@ def cp_attention(
 
     q (b, np, 2L, hn): this rank's two chunks; k, v (b, ng, 2L, hn): its own chunks' keys and values.
     Returns (b, np, 2L, hn). `causal`: chunk i's queries attend to the keys of chunks 0..i (its own
-    lower-right corner causal); else to every key (no mask). `scale`: the softmax scale `sdpa` applies.
-    `merge`: causal attention as key blocks merged by log-sum-exp (no mask: block_attention.py), else
-    SDPA with a lower-right causal bias; None chooses the blocks on CPU without dropout (the CPU flash
-    kernel materializes the bias as a mask), SDPA on CUDA (its fused kernels take the lower-right corner
-    without a mask) and with dropout (benchmarks/cp_attention_choice.py)."""
+    lower-right corner causal); else to every key (no mask). `scale`: the softmax scale `sdpa` applies;
+    `merge`: see `attend_spans`."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     # (b, ng, 2L, hn) -> (2L, b, ng, hn) for the gather along the sequence, and back
     k_all, v_all = (gather_sequence(x.permute(2, 0, 1, 3), group).permute(1, 2, 0, 3) for x in (k, v))
-    gqa = k.shape[1] != q.shape[1]
-    length = q.shape[2] // 2
+    if not causal:
+        return sdpa(q, k_all, v_all, None, dropout, False, k.shape[1] != q.shape[1])
+    spans = causal_chunk_spans(head_tail_chunks(rank, cp), q.shape[2] // 2)
+    return attend_spans(q, k_all, v_all, spans, sdpa, dropout, scale, merge)
+
+
+def attend_spans(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    spans: Sequence[Span],
+    sdpa: Sdpa,
+    dropout: float = 0.0,
+    scale: float | None = None,
+    merge: bool | None = None,
+) -> torch.Tensor:
+    """q (b, np, sq, hn) over k, v (b, ng, sk, hn) by `spans` (block_attention.py: each span's queries, the
+    key blocks they attend to, the last causal) -> (b, np, sq, hn). `merge`: the blocks merged by
+    log-sum-exp (no mask), else SDPA per span over its keys with a lower-right causal bias; None chooses
+    the blocks on CPU without dropout (the CPU flash kernel materializes the bias as a mask), SDPA on CUDA
+    (its fused kernels take the lower-right corner without a mask) and with dropout
+    (benchmarks/cp_attention_choice.py)."""
     if merge is None:
         merge = dropout == 0.0 and not q.is_cuda
-    if causal and merge:
-        return merged_block_attention(
-            q, k_all, v_all, causal_chunk_spans(head_tail_chunks(rank, cp), length), scale
-        )
+    if merge:
+        return merged_block_attention(q, k, v, spans, scale)
+    gqa = k.shape[1] != q.shape[1]
     out = []
-    for half, chunk in zip(q.split(length, dim=2), head_tail_chunks(rank, cp)):  # (b, np, L, hn) each
-        if causal:
-            end = (chunk + 1) * length
-            mask = causal_lower_right(length, end)
-            out.append(sdpa(half, k_all[:, :, :end], v_all[:, :, :end], mask, dropout, False, gqa))
-        else:
-            out.append(sdpa(half, k_all, v_all, None, dropout, False, gqa))
-    return torch.cat(out, dim=2)  # (b, np, 2L, hn)
+    for (q0, q1), blocks in spans:
+        k0, k1 = blocks[0][0], blocks[-1][1]
+        mask = causal_lower_right(q1 - q0, k1 - k0)
+        out.append(sdpa(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], mask, dropout, False, gqa))
+    return torch.cat(out, dim=2)  # (b, np, sq, hn)
+
+
+def cp_packed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: Sequence[int], group, sdpa: Sdpa, scale=None
+) -> torch.Tensor:
+    """Causal attention inside each packed document, its tokens split over the CP group (cp_documents.py):
+    q (t, np, hn), k, v (t, ng, hn) this rank's chunks of every document; `lengths` the padded documents'
+    lengths (multiples of 2 cp). Returns (t, np, hn)."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    layout = DocumentLayout.of(lengths, cp)
+    order = _natural_index(layout, k.device)  # (cp t,)
+    k_all, v_all = (_GatherSequence.apply(x, group).index_select(0, order) for x in (k, v))  # (cp t, ng, hn)
+    q4, k4, v4 = (x.permute(1, 0, 2)[None] for x in (q, k_all, v_all))  # (1, heads, tokens, hn)
+    out = attend_spans(q4, k4, v4, layout.causal_spans(rank), sdpa, 0.0, scale)  # (1, np, t, hn)
+    return out[0].permute(1, 0, 2)  # (t, np, hn)
+
+
+@functools.lru_cache(maxsize=8)
+def _natural_index(layout: DocumentLayout, device: torch.device) -> torch.Tensor:
+    """The micro-batch's gather order on `device`, once per micro-batch (every layer reuses it)."""
+    return torch.from_numpy(layout.natural_index()).to(device)
 
 
 def cp_totals(loss_sum: torch.Tensor, tokens: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,6 +176,16 @@ def cp_totals(loss_sum: torch.Tensor, tokens: torch.Tensor, group) -> tuple[torc
     totals = torch.stack([loss_sum.detach().float(), tokens.float()])  # (2,)
     dist.all_reduce(totals, group=group)
     return totals[0], totals[1]
+
+
+def packed_on_this_cp_rank(batch: dict) -> dict:
+    """A packed micro-batch (megahet/data/packed.py) as this rank holds it: unchanged without context
+    parallelism, else its chunks of every document, padded to multiples of 2 cp (cp_documents.py)."""
+    group = cp_group()
+    if group is None:
+        return batch
+    layout = DocumentLayout.of(batch["doc_lengths"], dist.get_world_size(group))
+    return packed_batch_on_this_cp_rank(batch, layout, dist.get_rank(group))
 
 
 def cp_group():

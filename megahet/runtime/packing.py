@@ -40,6 +40,7 @@ from megatron.core import parallel_state as ps
 from megahet.config import MegahetConfig
 from megahet.config_checks import replica_caps
 from megahet.models.attention import packed_documents
+from megahet.models.context_parallel import packed_on_this_cp_rank
 from megahet.parallel import ParallelLayout
 from megahet.platform import cuda_available
 from megahet.platform import device as process_device
@@ -64,12 +65,22 @@ def _sync() -> None:
 
 
 def synthetic_pack(lengths: list[int], vocab: int, device: torch.device, generator: torch.Generator):
-    """(tokens, position_ids, packed params) of one pack of random documents of these lengths, on `device`:
-    tokens and positions (1, t), positions restarting per document."""
+    """(tokens, position_ids, packed params) of one pack of random documents of these lengths, on `device`,
+    as this rank holds it (with context parallelism: its chunks of every document): tokens and positions
+    (1, t), positions restarting per document."""
     tokens = torch.randint(0, vocab, (1, int(sum(lengths))), generator=generator).to(device)  # (1, t)
-    positions = torch.cat([torch.arange(n) for n in lengths])[None].to(device)  # (1, t)
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=device)
-    return tokens, positions, packed_documents(cu, lengths)
+    batch = {
+        "tokens": tokens,
+        "labels": tokens,
+        "loss_mask": torch.ones(tokens.shape, device=device),
+        "position_ids": torch.cat([torch.arange(n) for n in lengths])[None].to(device),  # (1, t)
+        "cu_seqlens": torch.tensor(
+            np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=device
+        ),
+        "doc_lengths": list(lengths),
+    }
+    batch = packed_on_this_cp_rank(batch)
+    return batch["tokens"], batch["position_ids"], packed_documents(batch["cu_seqlens"], batch["doc_lengths"])
 
 
 @torch.no_grad()
@@ -77,9 +88,9 @@ def time_stage_forward(model, lengths: list[int], hidden_size: int, vocab: int, 
     """Seconds of this rank's stage forward on one pack of documents of these lengths (min of `repeats`
     after a warm-up); a stage that is not the first gets synthetic activations."""
     device = process_device()
-    t = int(sum(lengths))
-    g = torch.Generator().manual_seed(t)
+    g = torch.Generator().manual_seed(int(sum(lengths)))
     tokens, positions, params = synthetic_pack(lengths, vocab, device, g)
+    t = tokens.shape[1]  # this rank's tokens
     dtype = next(model.parameters()).dtype
     best = float("inf")
     for i in range(repeats + 1):

@@ -10,6 +10,10 @@ run without CP to fp32 tolerance:
   each stage's layers from its own seed stream, so it is compared with a pipeline run);
 - the Llama shape (rotary positions, grouped-query attention, SwiGLU) at TP 2 x CP 2 against one rank.
 
+Packed documents (`data.packing documents`): the Llama shape at CP 4 against one rank, each document padded to
+a multiple of 8 and split over the 4 ranks (rotary positions per document by megatron-core's thd path); the
+CP run also profiles the document cost at start-up on its own chunks.
+
 Checkpoints do not depend on CP (ZeRO partitions over DP x CP, which DeepSpeed and the reshard see as DP):
 the CP 2 x DP 2 run saves at step 2, and resumes from there at CP 4 x DP 1 (4 ranks: DeepSpeed loads
 the same 4 ZeRO partitions) and at CP 1 x DP 2 (2 ranks: each reads its own slices of the 4 saved
@@ -69,6 +73,16 @@ def test_gpt_at_cp2_trains_as_without_cp(tmp_path, gpt_data, cp2_dp2, other):
     else:
         split = _curves(tmp_path / "cp", gpt_data, GPT_MODEL, 4, ["--parallel.cp", "2", *parallel])
     _same(f"gpt cp2 x {other}", split, reference)
+
+
+def test_packed_llama_documents_at_cp4_train_as_one_rank(tmp_path, gpt_data):
+    packed = ["--model.seq_length", "128", "--data.packing", "documents", "--data.max_tokens", "128"]
+    packed += ["--train.micro_batch_size", "1"]  # after short_run's
+    reference = _curves(
+        tmp_path / "ref", gpt_data, LLAMA_MODEL, 1, [*packed, "--data.doc_cost", "2e-9,1e-6,1e-4"]
+    )
+    split = _curves(tmp_path / "cp", gpt_data, LLAMA_MODEL, 4, [*packed, "--parallel.cp", "4"])
+    _same("packed llama cp4", split, reference)
 
 
 @pytest.mark.parametrize("nproc, cp, resharded", [(4, 4, False), (2, 1, True)], ids=["cp4_dp1", "cp1_dp2"])

@@ -226,7 +226,6 @@ def test_cp_counts_in_the_world_and_not_in_dp() -> None:
     [
         ({"model.seq_length": 30}, ("model.seq_length 30", "multiple of 4")),
         ({"model.attention": "local"}, ("model.attention sdpa",)),
-        ({"data.packing": "documents", "data.max_tokens": 64}, ("data.packing documents",)),
         ({"balance.mode": "semi"}, ("balance.mode",)),
         ({"balance.trace": "t.jsonl"}, ("balance.trace",)),
         ({"resize.gamma": "0:0.5"}, ("resize.*",)),

@@ -1,7 +1,8 @@
 """Context-parallel attention (megahet/models/context_parallel.py, issue 45) against attention over the whole
 sequence: 2 and 4 CP ranks (gloo, spawned processes), causal and unmasked, multi-head and grouped-query;
 the outputs of each rank's chunks and the gradients of its queries, keys and values match the unsplit
-attention's at the same tokens. Causal attention both ways: the key blocks merged by log-sum-exp (the CPU's
+attention's at the same tokens; and packed documents, each split over the CP ranks, against causal attention
+inside each whole document. Causal attention both ways: the key blocks merged by log-sum-exp (the CPU's
 choice) and SDPA with a lower-right causal bias (CUDA's, and with dropout).
 
 Run: ``python -m pytest tests/unit/test_cp_attention.py -q`` (about 20 s).
@@ -20,10 +21,12 @@ import torch.nn.functional as F
 from megahet.launch import free_port
 from megahet.models.context_parallel import (
     cp_attention,
+    cp_packed_attention,
     cp_totals,
     head_tail_chunks,
     natural_order,
 )
+from megahet.models.cp_documents import DocumentLayout
 
 B, NP, HN, L = 2, 4, 8, 5  # batch, query heads, head dim, tokens per chunk
 
@@ -48,6 +51,8 @@ def _worker(rank: int, world: int, port: int) -> None:
                 _check(group, cp, ng, causal=False)
                 for merge in (True, False):  # key blocks merged by log-sum-exp; SDPA, lower-right causal
                     _check(group, cp, ng, causal=True, merge=merge)
+            for ng in (NP, 2):
+                _check_packed(group, cp, ng)
             loss_sum, tokens = cp_totals(torch.tensor(float(rank + 1)), torch.tensor(10.0), group)
             assert loss_sum.item() == cp * (cp + 1) / 2 and tokens.item() == 10.0 * cp
     finally:
@@ -73,6 +78,34 @@ def _check(group, cp: int, ng: int, causal: bool, merge: bool | None = None) -> 
     torch.testing.assert_close(out, full.detach()[:, :, mine], rtol=1e-10, atol=1e-10)
     for local, whole in ((lq, q), (lk, k), (lv, v)):
         torch.testing.assert_close(local.grad, whole.grad[:, :, mine], rtol=1e-10, atol=1e-10)
+
+
+def _check_packed(group, cp: int, ng: int) -> None:
+    """Packed documents (padded lengths, each a multiple of 2 cp): this rank's chunks of every document
+    against causal attention inside each whole document, forward and backward."""
+    rank = dist.get_rank(group)
+    lengths = [2 * cp * n for n in (1, 3, 2)]
+    layout = DocumentLayout.of(lengths, cp)
+    t = sum(lengths)
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(t, h, HN, generator=gen, dtype=torch.float64) for h in (NP, ng, ng))  # (t, h, hn)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    grad_out = torch.randn(t, NP, HN, generator=gen, dtype=torch.float64)
+    pieces = [
+        _sdpa(*(x.permute(1, 0, 2)[None] for x in (qd, kd, vd)), None, 0.0, True, ng != NP)[0].permute(
+            1, 0, 2
+        )
+        for qd, kd, vd in zip(q.split(lengths), k.split(lengths), v.split(lengths))
+    ]
+    full = torch.cat(pieces)  # (t, np, hn)
+    full.backward(grad_out)
+    mine = torch.from_numpy(layout.local_positions(rank))  # (t / cp,)
+    lq, lk, lv = (x.detach()[mine].clone().requires_grad_() for x in (q, k, v))
+    out = cp_packed_attention(lq, lk, lv, lengths, group, _sdpa)  # (t / cp, np, hn)
+    out.backward(grad_out[mine])
+    torch.testing.assert_close(out, full.detach()[mine], rtol=1e-10, atol=1e-10)
+    for local, whole in ((lq, q), (lk, k), (lv, v)):
+        torch.testing.assert_close(local.grad, whole.grad[mine], rtol=1e-10, atol=1e-10)
 
 
 def test_cp_attention_equals_attention_over_the_whole_sequence() -> None:

@@ -10,6 +10,7 @@
   GPU (the two-rank numerics are covered on CPU; NCCL refuses two ranks on one GPU).
 - The CUDA-event clock: it measures a GEMM region as CUDA events do, and a step never synchronizes.
 - SDPA core attention runs a fused kernel (flash or cuDNN) for multi-head and grouped-query attention.
+- Context parallelism's chunks run their lower-right causal corner in a fused kernel (no mask).
 
 Run on a GPU machine: ``python -m pytest -m gpu tests -q`` (a few minutes).
 """
@@ -227,6 +228,33 @@ def test_packed_documents_run_the_varlen_kernel_and_match_per_document_attention
             )[0].transpose(0, 1).reshape(-1, 8 * hn)
         )  # fmt: skip
     torch.testing.assert_close(out.float(), torch.cat(expected), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("groups", [8, 2], ids=["mha", "gqa"])
+def test_cp_chunks_run_the_lower_right_causal_corner_in_a_fused_kernel(groups: int) -> None:
+    """Context parallelism on CUDA (bf16): each CP rank's head-tail chunks attend to the keys up to their
+    end with SDPA's lower-right causal bias, which the flash / efficient kernels take without a mask; every
+    rank's output equals causal attention over the whole sequence at its tokens (bf16 tolerance)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megahet.models.block_attention import causal_chunk_spans
+    from megahet.models.context_parallel import attend_spans, head_tail_chunks
+
+    def sdpa(q, k, v, mask, dropout, causal, gqa):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+
+    cp, length, hn = 4, 256, 64
+    s = 2 * cp * length
+    q = torch.randn(1, 8, s, hn, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, groups, s, hn, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    whole = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups != 8)
+    for rank in range(cp):
+        chunks = head_tail_chunks(rank, cp)
+        mine = torch.cat([torch.arange(c * length, (c + 1) * length) for c in chunks]).cuda()
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):  # no math fallback
+            out = attend_spans(q[:, :, mine], k, v, causal_chunk_spans(chunks, length), sdpa)
+        torch.testing.assert_close(out.float(), whole[:, :, mine].float(), rtol=2e-2, atol=2e-2)
 
 
 def test_balancer_trace_on_the_gpu_times_compute_and_fixed_work_with_cuda_events(tmp_path: Path) -> None:

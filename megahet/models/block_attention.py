@@ -107,6 +107,11 @@ def merged_block_attention(
 ) -> torch.Tensor:
     """q (b, np, sq, hn), k and v (b, ng, sk, hn) -> (b, np, sq, hn): each span's queries attend to its key
     blocks (softmax over all of them together); `scale` as SDPA's (None: 1 / sqrt(hn))."""
+    if q.device.type != "cpu":
+        raise ValueError(
+            f"merged key blocks run the CPU flash kernel; on {q.device.type} take SDPA's lower-right causal "
+            "corner (context_parallel.attend_spans with merge None or False)"
+        )
     return _MergedBlockAttention.apply(q, k, v, spans, scale)
 
 

@@ -67,3 +67,9 @@ def _saved_bytes(length: int) -> int:
 def test_what_is_saved_grows_linearly_with_the_chunk() -> None:
     """q, k, v, the output and the log-sum-exp: 8x the tokens, 8x the bytes (a mask would be 64x)."""
     assert _saved_bytes(512) == 8 * _saved_bytes(64)
+
+
+def test_merged_blocks_refuse_a_device_other_than_the_cpu() -> None:
+    q = torch.empty(1, 2, 4, 8, device="meta")
+    with pytest.raises(ValueError, match="merged key blocks run the CPU flash kernel; on meta take SDPA"):
+        merged_block_attention(q, q, q, causal_chunk_spans((0, 1), 2))

@@ -9,13 +9,16 @@ rank's own tokens unchanged; rotary embeddings take this rank's chunks' position
 `RotaryEmbedding` (it slices them by the CP group), learned positions come with the sliced position ids.
 
 Attention all-gathers the keys and values of the whole sequence once per layer (the Llama 3 approach, and
-torchtitan's for document masks) and runs SDPA for each of the rank's two query chunks against the keys up
-to its end, causal in the chunk's own corner (`causal_lower_right`, which keeps the fused kernels eligible
-on GPUs). The gather's backward sums the key / value gradients of every rank and hands each its own chunks
-(a reduce-scatter; on gloo, which has none, an all-reduce and its slice).
+torchtitan's for document masks); each of the rank's query chunks attends to the keys up to its end, causal
+in the chunk's own corner (`attend_spans`): on CPU as key blocks merged by log-sum-exp (no mask:
+block_attention.py), on CUDA and with dropout as SDPA with `causal_lower_right` (which the fused kernels
+take without a mask). The gather's backward sums the key / value gradients of every rank and hands each its
+own chunks (a reduce-scatter; on gloo, which has none, an all-reduce and its slice). Packed documents are
+split per document (cp_documents.py) and attend inside their own document (`cp_packed_attention`).
 
     chunks = head_tail_chunks(cp_rank, cp)                        # (r, 2cp - 1 - r)
     context = cp_attention(q, k, v, group, sdpa, causal=True)    # (b, np, 2L, hn), this rank's queries
+    batch = packed_on_this_cp_rank(batch)                         # packed: its chunks of every document
     loss_sum, tokens = cp_totals(loss_sum, tokens, group)         # the sequence's, over the CP group
 
 The loss: each rank's loss is its own tokens' sum over the whole sequence's token count, so the gradients

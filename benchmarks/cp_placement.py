@@ -1,13 +1,14 @@
 """Documents placed on context-parallel ranks, predicted: static head-tail CP against the power-of-two rule,
 DCP-style blocks and megahet's dynamic placement by cost and speed (megahet/policy/cp_placement.py).
 
-    python benchmarks/cp_placement.py [--batches 64 --cap 4096 --median 256 --tail 32 --block 512 --seed 0]
+    python benchmarks/cp_placement.py [--batches 64 --cap 4096 --longest 8192 --block 512 --seed 0]
 
 The machine-independent half of issue 45's long-context benchmark, parts (b) and (c): from the same
 micro-batches of a long-tail length mix, each planner's per-rank predicted seconds and what crosses ranks.
 The step-time half needs the dynamic placement in the runtime (the next step of issue 45).
-- **Lengths.** Most documents are short (log-normal around `--median` tokens). One in 16 is drawn from a
-  Pareto tail up to `--tail` x the median. A micro-batch takes documents until the next would pass
+- **Lengths.** `data.length_mix long` (megahet/data/documents.py): most documents are short (log-normal
+  around 256 tokens), and one in 16 comes from a Pareto tail up to `--longest` (8192: 32x the median).
+  A micro-batch takes documents until the next would pass
   `--cap` x the ranks' summed speeds (relative to the fastest) tokens: with a slow rank there is room on
   the others for the share it cannot take.
 - **Cost.** Costs are megahet's packing cost model, a s^2 + b s seconds per document, with a and b as
@@ -39,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np
 
 from benchmarks.common import RESULTS, save_results
+from megahet.data.documents import generated_lengths
 from megahet.policy.cp_placement import (
     CPPlan,
     block_plan,
@@ -62,19 +64,19 @@ def measured_cost() -> DocCost:
 
 
 def long_tail_batches(args, speeds) -> list[list[int]]:
-    """Micro-batches of document lengths (see the module docstring), up to cap x the summed speeds (of the
-    fastest's) tokens each: what the ranks' caps hold when each rank's share follows its speed."""
-    rng = np.random.default_rng(args.seed)
-    budget, batches, current = int(args.cap * sum(speeds) / max(speeds)), [], []
-    longest = min(args.tail * args.median, budget)
-    while len(batches) < args.batches:
-        if rng.random() < 1 / 16:  # the tail: Pareto above 2x the median
-            n = 2 * args.median * (1 + rng.pareto(1.2))
-        else:
-            n = rng.lognormal(np.log(args.median), 0.6)
-        n = int(min(max(n, 16), longest))
+    """Micro-batches of the long-context mix's document lengths (see the module docstring), up to cap x the
+    summed speeds (of the fastest's) tokens each: what the ranks' caps hold when each rank's share follows
+    its speed."""
+    budget = int(args.cap * sum(speeds) / max(speeds))
+    lengths = generated_lengths(
+        "long", 4 * args.batches * budget, args.seed, longest=min(args.longest, budget)
+    )
+    batches, current = [], []
+    for n in lengths.tolist():
         if current and sum(current) + n > budget:
             batches.append(current)
+            if len(batches) == args.batches:
+                break
             current = []
         current.append(n)
     return batches
@@ -122,8 +124,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=64, help="micro-batches per CP size")
     parser.add_argument("--cap", type=int, default=4096, help="tokens per CP rank (its activation memory)")
-    parser.add_argument("--median", type=int, default=256, help="the short documents' median length")
-    parser.add_argument("--tail", type=int, default=32, help="the longest document, x the median")
+    parser.add_argument("--longest", type=int, default=8192, help="the longest document, tokens")
     parser.add_argument("--block", type=int, default=512, help="block of the block and dynamic planners")
     parser.add_argument("--kv", type=float, default=0.05, help="seconds of a received K/V token, x b")
     parser.add_argument("--seed", type=int, default=0)

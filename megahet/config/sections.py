@@ -168,9 +168,10 @@ class DataConfig(_Section):
     replica_max_tokens: str | None = None
     """GPT, packing: a token cap per DP replica, comma-separated (e.g. 4096,2048 for a replica of GPUs with
     less memory); documents longer than a replica's cap go to one that holds them. Default data.max_tokens."""
-    length_mix: Literal["documents", "web", "code"] = "documents"
-    """GPT, packing: the corpus's own documents, or its text re-cut at web-like or code-like lengths
-    (log-normal body, Pareto tail)."""
+    length_mix: Literal["documents", "web", "code", "long"] = "documents"
+    """GPT, packing: the corpus's own documents, or its text re-cut at web-like, code-like or long-context
+    lengths (log-normal body, Pareto tail; long: most around 256 tokens, one in 16 from a tail reaching
+    16-32x that, for context parallelism)."""
     packing_strategy: Literal["cost", "tokens", "round_robin"] = "cost"
     """GPT, packing: cost = by predicted cost and replica speed (Hydraulis-style); tokens = Karmarkar-Karp on
     token counts (verl); round_robin = documents dealt in order (no balancing)."""

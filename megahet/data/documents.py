@@ -9,8 +9,8 @@ labels tokens[1:]. One longer than `max_tokens` positions is cut into pieces of 
 (each piece predicts its own next tokens; the boundary token is the next piece's first input).
 
 `length_mix` re-cuts a split's token stream into documents of generated lengths, for length mixes
-the corpus does not have (web-like, code-like: a log-normal body with a Pareto tail); `documents`
-keeps the corpus's own (plays, books, chapters).
+the corpus does not have (web-like, code-like, long-context: a log-normal body with a Pareto tail);
+`documents` keeps the corpus's own (plays, books, chapters).
 
     docs = DocumentPieces.from_split(prefix, split="90,5,5", name="train", max_tokens=2048, mix="documents")
     len(docs), docs.lengths[:4]         # pieces, positions per piece (int64)
@@ -27,20 +27,22 @@ from megatron.core.datasets.indexed_dataset import get_bin_path
 
 from megahet.data.gpt_data import SPLIT_NAMES, open_indexed, split_document_ranges
 
-LengthMix = Literal["documents", "web", "code"]
-LENGTH_MIXES = ("documents", "web", "code")
+LengthMix = Literal["documents", "web", "code", "long"]
+LENGTH_MIXES = ("documents", "web", "code", "long")
 
 # Log-normal body (median, sigma) and Pareto tail (fraction of documents, shortest, shape) of the
 # generated mixes, in tokens. Shapes, not measurements of a dataset: web pages are mostly short with a
-# thin tail; code files are longer with a heavier one.
+# thin tail; code files are longer with a heavier one; the long-context mix (context parallelism, issue 45)
+# is mostly short documents with one in 16 from a heavy tail reaching 16-32x the median and beyond.
 _MIXES = {
     "web": {"median": 400.0, "sigma": 1.0, "tail": 0.05, "tail_min": 2000.0, "alpha": 1.5},
     "code": {"median": 600.0, "sigma": 1.2, "tail": 0.15, "tail_min": 2500.0, "alpha": 1.1},
+    "long": {"median": 256.0, "sigma": 0.6, "tail": 1 / 16, "tail_min": 1024.0, "alpha": 1.0},
 }
 
 
 def generated_lengths(mix: str, total_tokens: int, seed: int, longest: int = 65536) -> np.ndarray:
-    """Document lengths (tokens, eod included) of a web- or code-like mix that together cover at most
+    """Document lengths (tokens, eod included) of a web-, code-like or long-context mix that together cover at most
     `total_tokens`: int64 [n], each in [2, longest]."""
     if mix not in _MIXES:
         raise ValueError(f"unknown length mix {mix!r}; choose from {', '.join(LENGTH_MIXES)}")

@@ -153,6 +153,9 @@ def test_generated_mixes_and_pieces() -> None:
     assert np.median(code) > np.median(web) and np.percentile(code, 99) > 2000
     starts, lengths = split_pieces(np.array([0, 10]), np.array([10, 25]), max_tokens=8)
     assert lengths.tolist() == [8, 1, 8, 8, 8] and starts.tolist() == [0, 8, 10, 18, 26]
+    long = generated_lengths("long", 10**6, 0, longest=8192)
+    assert long.sum() <= 10**6 and 200 < np.median(long) < 320  # mostly short ...
+    assert np.percentile(long, 99) > 16 * np.median(long) and long.max() <= 8192  # ... a tail of 16x and more
     with pytest.raises(ValueError, match="unknown length mix"):
         generated_lengths("books", 100, 0)
 

@@ -15,8 +15,8 @@ a multiple of 8 and split over the 4 ranks (rotary positions per document by meg
 CP run also profiles the document cost at start-up on its own chunks.
 
 Checkpoints do not depend on CP (ZeRO partitions over DP x CP, which DeepSpeed and the reshard see as DP):
-the CP 2 x DP 2 run saves at step 2, and resumes from there at CP 4 x DP 1 (4 ranks: DeepSpeed loads
-the same 4 ZeRO partitions) and at CP 1 x DP 2 (2 ranks: each reads its own slices of the 4 saved
+the CP 2 x DP 2 run saves at step 2, and resumes from there at CP 2 x DP 2 (bit for bit), at CP 4 x DP 1
+(4 ranks: DeepSpeed loads the same 4 ZeRO partitions) and at CP 1 x DP 2 (2 ranks: each reads its own slices of the 4 saved
 partitions); steps 3 and 4 follow the uninterrupted run to fp32 tolerance, its validation loss too where
 the DP size (how many samples the evaluation reads) is the same.
 
@@ -85,9 +85,15 @@ def test_packed_llama_documents_at_cp4_train_as_one_rank(tmp_path, gpt_data):
     _same("packed llama cp4", split, reference)
 
 
-@pytest.mark.parametrize("nproc, cp, resharded", [(4, 4, False), (2, 1, True)], ids=["cp4_dp1", "cp1_dp2"])
+@pytest.mark.parametrize(
+    "nproc, cp, resharded",
+    [(4, 2, False), (4, 4, False), (2, 1, True)],
+    ids=["cp2_dp2", "cp4_dp1", "cp1_dp2"],
+)
 def test_a_cp_checkpoint_resumes_at_another_cp(tmp_path, gpt_data, cp2_dp2, nproc: int, cp: int, resharded):
-    """DP x CP 4 -> 4: DeepSpeed loads the ZeRO partitions as saved; 4 -> 2: each rank reads its slices."""
+    """At the same CP 2 x DP 2 the resumed run is the uninterrupted one bit for bit (weights, ZeRO state,
+    RNG streams restored); DP x CP 4 -> 4: DeepSpeed loads the ZeRO partitions as saved; 4 -> 2: each rank
+    reads its slices."""
     out, full = cp2_dp2
     start_from_copy(out / "ck", tmp_path / "ck", "iter_0000002")
     args = [
@@ -105,8 +111,11 @@ def test_a_cp_checkpoint_resumes_at_another_cp(tmp_path, gpt_data, cp2_dp2, npro
     assert sorted(s for s, r in resumed.items() if "loss" in r) == [3, 4], sorted(resumed)
     assert ("resharded from" in output) == resharded, output[-3000:]
     same_dp = nproc // cp == 2
+    exact = cp == 2  # the same layout: the same reductions in the same order
     for key in ("loss", "grad_norm"):
         actual = torch.tensor([resumed[s][key] for s in (3, 4)], dtype=torch.float64)
+        if exact:
+            assert actual.tolist() == full[key][2:].tolist(), (key, actual, full[key])
         compare(f"cp2 -> cp{cp} resume", key, actual, full[key][2:], rtol=2e-5, atol_scale=1e-6)
     if same_dp:
         val = torch.tensor([resumed[STEPS]["val_loss"]], dtype=torch.float64)

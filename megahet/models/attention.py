@@ -176,14 +176,13 @@ class SDPACoreAttention(MegatronModule):
         t, np_, hn = query.shape
         gqa = key.shape[1] != np_
         if self.cp_group is not None:  # this rank's chunks of every document (cp_documents.py)
-            lengths = list(getattr(params, "lengths", ())) or (cu[1:] - cu[:-1]).tolist()
-            scale = self.softmax_scale
+            lengths, scale = _doc_lengths(params), self.softmax_scale
             out = cp_packed_attention(query, key, value, lengths, self.cp_group, self._sdpa, scale)
             return out.reshape(t, np_ * hn)  # (t, np*hn)
         varlen = _varlen_attn() if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) else None
         if varlen is not None:
             return varlen(query, key, value, cu, params.max_seqlen_q, self.softmax_scale).reshape(t, np_ * hn)
-        lengths = list(getattr(params, "lengths", ())) or (cu[1:] - cu[:-1]).tolist()
+        lengths = _doc_lengths(params)
         # 4-D (1, heads, s, hn) per document: with 3-D inputs the CPU takes SDPA's unfused math path
         # (measured 4.5x slower at s = 2048), with 4-D its flash kernel.
         q = query.permute(1, 0, 2)[None]  # (1, np, t, hn)
@@ -199,6 +198,13 @@ class SDPACoreAttention(MegatronModule):
             q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=self.softmax_scale,
             enable_gqa=gqa,
         )  # fmt: skip
+
+
+def _doc_lengths(params) -> list[int]:
+    """The packed documents' lengths: from the host when `packed_documents` recorded them, else read back
+    from `cu_seqlens`."""
+    cu = params.cu_seqlens_q  # int32 [docs + 1]
+    return list(getattr(params, "lengths", ())) or (cu[1:] - cu[:-1]).tolist()
 
 
 @dataclasses.dataclass(frozen=True)

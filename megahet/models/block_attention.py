@@ -115,12 +115,17 @@ def merged_block_attention(
     return _MergedBlockAttention.apply(q, k, v, spans, scale)
 
 
-def causal_chunk_spans(chunks: Sequence[int], length: int) -> list[Span]:
-    """The spans of a rank holding sequence chunks `chunks` (each `length` tokens, in the order held) under a
-    causal mask: chunk c's queries attend to the keys before it unmasked and to its own chunk causally."""
+def causal_chunk_spans(
+    chunks: Sequence[int], length: int, key_start: int = 0, query_start: int = 0
+) -> list[Span]:
+    """The spans of a rank holding chunks `chunks` of one sequence (each `length` tokens, in the order held)
+    under a causal mask: chunk c's queries attend to the keys before it unmasked and to its own chunk
+    causally. The sequence's keys begin at `key_start` of the keys, the rank's chunks at `query_start` of
+    its queries (a packed document's place in its micro-batch)."""
     spans = []
     for i, chunk in enumerate(chunks):
-        start = chunk * length
-        before = [(0, start, False)] if start else []
-        spans.append(((i * length, (i + 1) * length), [*before, (start, start + length, True)]))
+        first = key_start + chunk * length
+        before = [(key_start, first, False)] if chunk else []
+        queries = (query_start + i * length, query_start + (i + 1) * length)
+        spans.append((queries, [*before, (first, first + length, True)]))
     return spans

@@ -37,12 +37,7 @@ from megatron.core import parallel_state as ps
 from torch.nn.attention.bias import causal_lower_right
 
 from megahet.models.block_attention import Span, causal_chunk_spans, merged_block_attention
-from megahet.models.cp_documents import DocumentLayout, packed_batch_on_this_cp_rank
-
-
-def head_tail_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:
-    """The two of the 2 x cp sequence chunks CP rank `cp_rank` holds, in the order it holds them."""
-    return cp_rank, 2 * cp_size - 1 - cp_rank
+from megahet.models.cp_documents import DocumentLayout, head_tail_chunks, packed_batch_on_this_cp_rank
 
 
 def natural_order(cp_size: int) -> list[int]:

@@ -25,10 +25,15 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from megahet.models.block_attention import Span
+from megahet.models.block_attention import Span, causal_chunk_spans
 
 PADDED_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 """The (1, t) tensors of a packed micro-batch (megahet/data/packed.py) that follow its tokens."""
+
+
+def head_tail_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:
+    """The two of a sequence's 2 x cp chunks CP rank `cp_rank` holds, in the order it holds them."""
+    return cp_rank, 2 * cp_size - 1 - cp_rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,15 +64,12 @@ class DocumentLayout:
         """Each padded document's first position in the padded micro-batch."""
         return np.concatenate([[0], np.cumsum(self.padded)[:-1]]).astype(np.int64)
 
-    def chunks_of(self, rank: int) -> tuple[int, int]:
-        return rank, 2 * self.cp - 1 - rank
-
     def local_positions(self, rank: int) -> np.ndarray:
         """Positions in the padded micro-batch of CP rank `rank`'s tokens, in the order it holds them."""
         pieces = [
             np.arange(start + i * c, start + (i + 1) * c)
             for start, c in zip(self.starts, self.chunk)
-            for i in self.chunks_of(rank)
+            for i in head_tail_chunks(rank, self.cp)
         ]
         return np.concatenate(pieces)
 
@@ -96,11 +98,8 @@ class DocumentLayout:
         keys: each of its chunks attends to its document's earlier chunks unmasked and to itself causally."""
         spans, q = [], 0
         for start, c in zip(self.starts.tolist(), self.chunk.tolist()):
-            for i in self.chunks_of(rank):
-                first = start + i * c
-                before = [(start, first, False)] if i else []
-                spans.append(((q, q + c), [*before, (first, first + c, True)]))
-                q += c
+            spans += causal_chunk_spans(head_tail_chunks(rank, self.cp), c, key_start=start, query_start=q)
+            q += 2 * c
         return spans
 
 

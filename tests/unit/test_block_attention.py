@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from benchmarks.cp_attention_choice import saved_bytes
 from megahet.models.block_attention import causal_chunk_spans, merged_block_attention
 from megahet.models.context_parallel import head_tail_chunks
 
@@ -53,15 +54,9 @@ def _saved_bytes(length: int) -> int:
     """Bytes autograd saves for the last CP rank's chunks (the longest key prefix) at CP 2."""
     q = torch.randn(1, 4, 2 * length, 16, requires_grad=True)
     k, v = (torch.randn(1, 2, 4 * length, 16, requires_grad=True) for _ in range(2))
-    seen = {}
-
-    def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        merged_block_attention(q, k, v, causal_chunk_spans(head_tail_chunks(1, 2), length))
-    return sum(seen.values())
+    return saved_bytes(
+        lambda: merged_block_attention(q, k, v, causal_chunk_spans(head_tail_chunks(1, 2), length))
+    )
 
 
 def test_what_is_saved_grows_linearly_with_the_chunk() -> None:

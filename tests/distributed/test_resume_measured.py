@@ -92,7 +92,9 @@ def test_every_fault_was_a_real_kill_and_restart(runs) -> None:
         lines = (out / f"ck_{job}.jsonl").read_text().splitlines()
         twice = KILL_STEP - 1
         if job == "pp_move":
-            twice = min(s for s, r in read_records(out / f"full_{FULL[job]}.jsonl").items() if "resplit_s" in r)
+            twice = min(
+                s for s, r in read_records(out / f"full_{FULL[job]}.jsonl").items() if "resplit_s" in r
+            )
         again = [line for line in lines if f'"step": {twice},' in line and '"loss"' in line]
         assert len(again) == 2, f"{job}: step {twice} not run twice"
 

@@ -22,7 +22,7 @@ import torch
 from megatron.core.utils import get_batch_on_this_cp_rank
 
 from megahet.config import ConfigError, MegahetConfig
-from megahet.config_checks import parse_doc_cost, replica_caps
+from megahet.config_checks import parse_cp_speeds, parse_doc_cost, replica_caps
 from megahet.data.documents import DocumentPieces
 from megahet.data.gpt_data import build_gpt_datasets
 from megahet.data.packed import DEFAULT_COST, PackedStream, packed_eval_batches
@@ -30,13 +30,18 @@ from megahet.data.prepare import ensure_gpt_data, gpt_data_paths
 from megahet.data.sampling import micro_batches, to_device
 from megahet.data.tokenizer import load_tokenizer
 from megahet.data.wheels import data_dir
-from megahet.models.attention import packed_documents
+from megahet.models.attention import packed_documents, placed_documents
 from megahet.models.context_parallel import cp_group, cp_totals, packed_on_this_cp_rank
+from megahet.models.cp_placed import placed_batch_on_this_cp_rank
 from megahet.models.gpt import build_gpt
 from megahet.parallel import ParallelLayout
+from megahet.policy.cp_placement import CPPlacer
 from megahet.policy.packing import DocCost
 from megahet.task import Task, TaskSpec
 from megahet.training import run_cli
+
+KV_COST = 0.1
+"""A key/value token received from another CP rank, in units of computing one token (its linear cost b)."""
 
 
 def prepared_data_dir(cfg: MegahetConfig) -> Path:
@@ -119,9 +124,18 @@ def token_sum_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     return loss_sum, tokens.int(), {"loss": total.clone(), "loss_sum": total, "tokens": tokens}
 
 
-def packed_forward_step(data_iterator, model):
-    batch = packed_on_this_cp_rank(to_device(next(data_iterator)))  # with CP: its chunks of every document
-    params = packed_documents(batch["cu_seqlens"], batch["doc_lengths"])
+def packed_forward_step(data_iterator, model, placer: CPPlacer | None = None):
+    """One packed micro-batch; with CP, static: this rank's chunks of every document; `placer` (dynamic
+    placement): its slices of the documents, placed by predicted cost and CP rank speed."""
+    batch = to_device(next(data_iterator))
+    group = cp_group()
+    if placer is not None and group is not None:
+        lengths = batch["doc_lengths"]
+        batch = placed_batch_on_this_cp_rank(batch, placer.plan(lengths), group)
+        params = placed_documents(batch["placement"], batch["position_ids"], max(lengths), group.size())
+    else:
+        batch = packed_on_this_cp_rank(batch)
+        params = packed_documents(batch["cu_seqlens"], batch["doc_lengths"])
     per_token_loss = model(
         batch["tokens"], batch["position_ids"], None, labels=batch["labels"], packed_seq_params=params
     )  # (1, t) on the last stage; hidden states (t, 1, h) before it
@@ -131,6 +145,16 @@ def packed_forward_step(data_iterator, model):
 def eval_summary(sums: dict[str, float]) -> dict[str, float]:
     loss = sums["loss_sum"] / sums["tokens"]
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+
+
+def cp_placer(cfg: MegahetConfig, cost: DocCost) -> CPPlacer | None:
+    """parallel.cp_placement dynamic: the planner of each micro-batch's placement over the CP ranks (the
+    packing's cost model; a received key/value token counted as a tenth of a token's linear cost)."""
+    p = cfg.parallel
+    if p.cp == 1 or p.cp_placement != "dynamic":
+        return None
+    speeds = parse_cp_speeds(p.cp_speeds, p.cp)
+    return CPPlacer(cost=cost, speeds=speeds, block=p.cp_block, kv_seconds=KV_COST * cost.b)
 
 
 def build_packed(
@@ -152,10 +176,11 @@ def build_packed(
         if t.global_batch_tokens is not None
         else {"documents_per_batch": t.global_batch_size}
     )
+    cost = DocCost(*parse_doc_cost(d.doc_cost)) if d.doc_cost else DEFAULT_COST
     stream = PackedStream(
         pieces["train"], dp_rank=layout.dp_rank, dp_size=layout.dp_size, cap=caps, pp=layout.pp_size,
         seed=t.seed, strategy=d.packing_strategy, tries=d.packing_tries,
-        cost=DocCost(*parse_doc_cost(d.doc_cost)) if d.doc_cost else DEFAULT_COST, **batch,
+        cost=cost, **batch,
     )  # fmt: skip
     return Task(
         model=build_gpt(
@@ -168,7 +193,7 @@ def build_packed(
         eval_data=lambda: packed_eval_batches(
             pieces["valid"], dp_rank=layout.dp_rank, dp_size=layout.dp_size, cap=min(caps), iters=t.eval_iters
         ),
-        forward_step=packed_forward_step,
+        forward_step=functools.partial(packed_forward_step, placer=cp_placer(cfg, cost)),
         eval_summary=eval_summary,
         tokens_per_sample=max(caps),
     )

@@ -198,9 +198,37 @@ def _validate_packing(cfg: MegahetConfig, dp: int) -> None:
         parse_doc_cost(d.doc_cost)
 
 
+def parse_cp_speeds(text: str | None, cp: int) -> tuple[float, ...]:
+    """parallel.cp_speeds 'S0,S1,...' -> one positive speed per CP rank (None: all 1)."""
+    if text is None:
+        return (1.0,) * cp
+    try:
+        speeds = tuple(float(x) for x in str(text).split(","))
+    except ValueError:
+        speeds = ()
+    _require(
+        len(speeds) == cp and all(math.isfinite(v) and v > 0 for v in speeds),
+        f"parallel.cp_speeds {text!r} must list {cp} positive speeds, one per CP rank (e.g. "
+        f"{','.join(['1'] * (cp - 1) + ['0.5'])})",
+    )
+    return speeds
+
+
 def _validate_context_parallel(cfg: MegahetConfig) -> None:
-    """parallel.cp > 1: what static context parallelism runs with today (issue 45 lifts the rest)."""
+    """parallel.cp > 1: what context parallelism runs with today (issue 45 lifts the rest)."""
     p, m = cfg.parallel, cfg.model
+    if p.cp_placement == "dynamic" or p.cp_speeds is not None:
+        _require(
+            p.cp > 1 and p.cp_placement == "dynamic" and cfg.data.packing == "documents",
+            "parallel.cp_placement dynamic (and parallel.cp_speeds) place packed documents over CP ranks: set "
+            "parallel.cp > 1, parallel.cp_placement dynamic and data.packing documents",
+        )
+        _require(p.cp_block >= 1, f"parallel.cp_block must be a positive token count, got {p.cp_block}")
+        _require(
+            p.pp == 1,
+            f"parallel.cp_placement dynamic runs with parallel.pp 1 for now, got {p.pp}: use cp_placement static",
+        )
+        parse_cp_speeds(p.cp_speeds, p.cp)
     if p.cp == 1:
         return
     _require(

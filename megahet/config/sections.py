@@ -93,6 +93,15 @@ class ParallelConfig(_Section):
     """Context-parallel size: ranks that split every sequence (2 x cp chunks, head-tail: rank r holds chunks
     r and 2cp - 1 - r) and all-gather the keys and values per layer (megahet/models/context_parallel.py).
     Gradients are summed over CP and averaged over DP; the world is TP x CP x DP x PP (docs/context_parallel.md)."""
+    cp_placement: Literal["static", "dynamic"] = "static"
+    """Context parallelism with data.packing=documents: static cuts every document head-tail over the CP ranks;
+    dynamic places each micro-batch's documents by predicted cost and CP rank speed, whole on one rank (no
+    exchange) or cut into parallel.cp_block blocks spread over several (megahet/policy/cp_placement.py)."""
+    cp_speeds: str | None = None
+    """cp_placement dynamic: each CP rank's relative speed, 'S0,S1,...' (e.g. 1,0.5: rank 1 gets about half
+    the work); None: equal."""
+    cp_block: int = 512
+    """cp_placement dynamic: tokens per block of a document spread over several CP ranks."""
     stage_layers: str | None = None
     """Transformer layers per pipeline stage, 'L0,L1,...' (each >= 1, summing to model.num_layers), e.g.
     3,5 to give a slow first stage fewer layers; None: model.num_layers / pp each (or hetero.pp_split's)."""

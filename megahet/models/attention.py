@@ -44,6 +44,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 from megahet.models.context_parallel import cp_attention, cp_packed_attention
+from megahet.models.cp_placed import RankPlacement, placed_attention
 
 
 @dataclasses.dataclass
@@ -52,6 +53,29 @@ class PackedDocuments(PackedSeqParams):
     attention splits documents and counts their FLOPs without reading `cu_seqlens` back from the GPU."""
 
     lengths: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass
+class PlacedDocuments(PackedSeqParams):
+    """A CP rank's tokens under a dynamic placement (megahet/models/cp_placed.py): one sequence of batch 1 to
+    megatron-core (`qkv_format` sbhd), whose attention executes `placement` and whose rotary embedding takes
+    `positions` (t,), each token's position in its document (megahet/models/gpt.py)."""
+
+    placement: RankPlacement | None = None
+    positions: torch.Tensor | None = None
+
+
+def placed_documents(
+    placement: RankPlacement, positions: torch.Tensor, longest: int, cp: int
+) -> PlacedDocuments:
+    """The parameters of one placed micro-batch; positions (1, t) on the model's device, `longest` the longest
+    document. `max_seqlen_q` (the rotary length megatron-core computes before the per-token one replaces it)
+    is rounded up to 2 cp, which megatron-core's CP split of it needs."""
+    longest = -(-int(longest) // (2 * cp)) * 2 * cp
+    return PlacedDocuments(
+        qkv_format="sbhd", max_seqlen_q=longest, max_seqlen_kv=longest, placement=placement,
+        positions=positions[0],
+    )  # fmt: skip
 
 
 def packed_documents(cu_seqlens: torch.Tensor, lengths: Sequence[int]) -> PackedDocuments:
@@ -133,6 +157,8 @@ class SDPACoreAttention(MegatronModule):
     ) -> torch.Tensor:
         if attention_bias is not None:
             raise NotImplementedError("SDPA core attention takes no attention_bias")
+        if getattr(packed_seq_params, "placement", None) is not None:
+            return self._placed(query, key, value, packed_seq_params.placement)
         if packed_seq_params is not None:
             return self._packed(query, key, value, packed_seq_params)
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
@@ -163,6 +189,18 @@ class SDPACoreAttention(MegatronModule):
         else:
             context = self._sdpa(q, k, v, mask, dropout, causal, gqa)  # (b, np, sq, hn)
         return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)  # (sq, b, np*hn)
+
+    def _placed(self, query, key, value, placement: RankPlacement) -> torch.Tensor:
+        """Documents placed over the CP group by a plan: (t, 1, np, hn), (t, 1, ng, hn) x2 -> (t, 1, np*hn)."""
+        if self.attn_mask_type != AttnMaskType.causal:
+            raise NotImplementedError("placed documents need causal attention")
+        if self.training and self.dropout_p > 0.0:
+            raise NotImplementedError(
+                "placed documents run without attention dropout: set model.attention_dropout 0"
+            )
+        t, _, np_, hn = query.shape
+        out = placed_attention(query[:, 0], key[:, 0], value[:, 0], placement, self._sdpa, self.softmax_scale)
+        return out.reshape(t, 1, np_ * hn)  # (t, 1, np*hn)
 
     def _packed(self, query, key, value, params) -> torch.Tensor:
         """Causal attention inside each packed document: (t, np, hn), (t, ng, hn) x2 -> (t, np*hn)."""

@@ -75,14 +75,33 @@ def test_gpt_at_cp2_trains_as_without_cp(tmp_path, gpt_data, cp2_dp2, other):
     _same(f"gpt cp2 x {other}", split, reference)
 
 
-def test_packed_llama_documents_at_cp4_train_as_one_rank(tmp_path, gpt_data):
-    packed = ["--model.seq_length", "128", "--data.packing", "documents", "--data.max_tokens", "128"]
-    packed += ["--train.micro_batch_size", "1"]  # after short_run's
-    reference = _curves(
-        tmp_path / "ref", gpt_data, LLAMA_MODEL, 1, [*packed, "--data.doc_cost", "2e-9,1e-6,1e-4"]
-    )
-    split = _curves(tmp_path / "cp", gpt_data, LLAMA_MODEL, 4, [*packed, "--parallel.cp", "4"])
-    _same("packed llama cp4", split, reference)
+PACKED = ["--model.seq_length", "128", "--data.packing", "documents", "--data.max_tokens", "128"]
+PACKED += ["--train.micro_batch_size", "1"]  # after short_run's
+
+
+@pytest.fixture(scope="module")
+def packed_reference(tmp_path_factory, gpt_data):
+    """The packed Llama on one rank."""
+    out = tmp_path_factory.mktemp("packed_ref")
+    return _curves(out, gpt_data, LLAMA_MODEL, 1, [*PACKED, "--data.doc_cost", "2e-9,1e-6,1e-4"])
+
+
+def test_packed_llama_documents_at_cp4_train_as_one_rank(tmp_path, gpt_data, packed_reference):
+    split = _curves(tmp_path / "cp", gpt_data, LLAMA_MODEL, 4, [*PACKED, "--parallel.cp", "4"])
+    _same("packed llama cp4", split, packed_reference)
+
+
+def test_packed_llama_documents_placed_by_speed_at_cp2_train_as_one_rank(
+    tmp_path, gpt_data, packed_reference
+):
+    """Dynamic placement: each micro-batch's documents whole on one CP rank or cut into 16-token blocks
+    spread by speed (rank 1 declared at half speed), rotary positions per token, keys and values sent only
+    where needed; ZeRO-1 partitions over the 2 CP ranks, which sum their gradients; the evaluation is placed
+    too."""
+    placed = ["--parallel.cp", "2", "--parallel.cp_placement", "dynamic", "--parallel.cp_speeds", "1,0.5"]
+    placed += ["--parallel.cp_block", "16", "--data.doc_cost", "2e-7,1e-6,1e-4"]
+    split = _curves(tmp_path / "placed", gpt_data, LLAMA_MODEL, 2, [*PACKED, *placed])
+    _same("packed llama placed cp2", split, packed_reference)
 
 
 @pytest.mark.parametrize(

@@ -239,3 +239,36 @@ def test_what_cp_does_not_run_with_yet_gets_a_one_line_error(overrides: dict, ne
 
 def test_cp_saves_and_resumes_checkpoints() -> None:
     assert validate(_cfg(**{"parallel.cp": 2, "model.seq_length": 32, "train.save": "/tmp/ck"}), 4) == 2
+
+
+PLACED = {
+    "parallel.cp": 2,
+    "model.seq_length": 32,
+    "data.packing": "documents",
+    "train.micro_batch_size": 1,
+    "parallel.cp_placement": "dynamic",
+}
+
+
+@pytest.mark.parametrize(
+    "overrides, needles",
+    [
+        ({"data.packing": "none"}, ("parallel.cp_placement dynamic", "data.packing documents")),
+        ({"parallel.cp": 1}, ("parallel.cp > 1",)),
+        (
+            {"parallel.cp_placement": "static", "parallel.cp_speeds": "1,0.5"},
+            ("parallel.cp_placement dynamic",),
+        ),
+        ({"parallel.cp_speeds": "1,0.5,1"}, ("parallel.cp_speeds", "2 positive speeds")),
+        ({"parallel.cp_speeds": "1,-1"}, ("parallel.cp_speeds", "2 positive speeds")),
+        ({"parallel.cp_speeds": "fast,slow"}, ("parallel.cp_speeds", "e.g. 1,0.5")),
+        ({"parallel.cp_block": 0}, ("parallel.cp_block", "positive")),
+        ({"parallel.pp": 2}, ("parallel.pp 1", "cp_placement static")),
+    ],
+)
+def test_a_bad_dynamic_cp_placement_gets_a_one_line_error(overrides: dict, needles: tuple) -> None:
+    _invalid(_cfg(**{**PLACED, **overrides}), 8, *needles)
+
+
+def test_a_dynamic_cp_placement_by_declared_speeds_validates() -> None:
+    assert validate(_cfg(**{**PLACED, "parallel.cp_speeds": "1,0.5"}), 4) == 2

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,12 +32,13 @@ from megahet.data.sampling import micro_batches, to_device
 from megahet.data.tokenizer import load_tokenizer
 from megahet.data.wheels import data_dir
 from megahet.models.attention import packed_documents, placed_documents
-from megahet.models.context_parallel import cp_group, cp_totals, packed_on_this_cp_rank
+from megahet.models.context_parallel import cp_group, cp_rank, cp_totals, packed_on_this_cp_rank
 from megahet.models.cp_placed import placed_batch_on_this_cp_rank
 from megahet.models.gpt import build_gpt
 from megahet.parallel import ParallelLayout
-from megahet.policy.cp_placement import CPPlacer
+from megahet.policy.cp_placement import CPPlan
 from megahet.policy.packing import DocCost
+from megahet.runtime.cp_placement import CPPlacement
 from megahet.task import Task, TaskSpec
 from megahet.training import run_cli
 
@@ -124,14 +126,14 @@ def token_sum_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     return loss_sum, tokens.int(), {"loss": total.clone(), "loss_sum": total, "tokens": tokens}
 
 
-def packed_forward_step(data_iterator, model, placer: CPPlacer | None = None):
+def packed_forward_step(data_iterator, model, placer: Callable[[list[int]], CPPlan] | None = None):
     """One packed micro-batch; with CP, static: this rank's chunks of every document; `placer` (dynamic
-    placement): its slices of the documents, placed by predicted cost and CP rank speed."""
+    placement: the documents' lengths -> their plan, the same on every rank): its slices of the documents."""
     batch = to_device(next(data_iterator))
     group = cp_group()
     if placer is not None and group is not None:
         lengths = batch["doc_lengths"]
-        batch = placed_batch_on_this_cp_rank(batch, placer.plan(lengths), group)
+        batch = placed_batch_on_this_cp_rank(batch, placer(lengths), group)
         params = placed_documents(batch["placement"], batch["position_ids"], max(lengths), group.size())
     else:
         batch = packed_on_this_cp_rank(batch)
@@ -147,14 +149,17 @@ def eval_summary(sums: dict[str, float]) -> dict[str, float]:
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
 
 
-def cp_placer(cfg: MegahetConfig, cost: DocCost) -> CPPlacer | None:
-    """parallel.cp_placement dynamic: the planner of each micro-batch's placement over the CP ranks (the
-    packing's cost model; a received key/value token counted as a tenth of a token's linear cost)."""
+def cp_placement(cfg: MegahetConfig, stream: PackedStream) -> CPPlacement | None:
+    """parallel.cp_placement dynamic: each micro-batch's placement over the CP ranks, by the packing's cost
+    model as it stands and the CP ranks' declared or measured speeds (megahet/runtime/cp_placement.py)."""
     p = cfg.parallel
     if p.cp == 1 or p.cp_placement != "dynamic":
         return None
-    speeds = parse_cp_speeds(p.cp_speeds, p.cp)
-    return CPPlacer(cost=cost, speeds=speeds, block=p.cp_block, kv_seconds=KV_COST * cost.b)
+    speeds, measured = parse_cp_speeds(p.cp_speeds, p.cp)
+    return CPPlacement(
+        cost_of=lambda: stream.cost, speeds=speeds, measured=measured, cp_rank=cp_rank(), group=cp_group(),
+        block=p.cp_block, kv_cost=KV_COST, window=cfg.balance.window,
+    )  # fmt: skip
 
 
 def build_packed(
@@ -176,12 +181,12 @@ def build_packed(
         if t.global_batch_tokens is not None
         else {"documents_per_batch": t.global_batch_size}
     )
-    cost = DocCost(*parse_doc_cost(d.doc_cost)) if d.doc_cost else DEFAULT_COST
     stream = PackedStream(
         pieces["train"], dp_rank=layout.dp_rank, dp_size=layout.dp_size, cap=caps, pp=layout.pp_size,
         seed=t.seed, strategy=d.packing_strategy, tries=d.packing_tries,
-        cost=cost, **batch,
+        cost=DocCost(*parse_doc_cost(d.doc_cost)) if d.doc_cost else DEFAULT_COST, **batch,
     )  # fmt: skip
+    placement = cp_placement(cfg, stream)
     return Task(
         model=build_gpt(
             cfg, tokenizer.vocab_size, split=layout.stage_layers, initialize=not layout.weights_loaded
@@ -193,9 +198,10 @@ def build_packed(
         eval_data=lambda: packed_eval_batches(
             pieces["valid"], dp_rank=layout.dp_rank, dp_size=layout.dp_size, cap=min(caps), iters=t.eval_iters
         ),
-        forward_step=functools.partial(packed_forward_step, placer=cp_placer(cfg, cost)),
+        forward_step=functools.partial(packed_forward_step, placer=placement.placer if placement else None),
         eval_summary=eval_summary,
         tokens_per_sample=max(caps),
+        step_hooks=(placement,) if placement is not None else (),
     )
 
 

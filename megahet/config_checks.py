@@ -198,10 +198,11 @@ def _validate_packing(cfg: MegahetConfig, dp: int) -> None:
         parse_doc_cost(d.doc_cost)
 
 
-def parse_cp_speeds(text: str | None, cp: int) -> tuple[float, ...]:
-    """parallel.cp_speeds 'S0,S1,...' -> one positive speed per CP rank (None: all 1)."""
-    if text is None:
-        return (1.0,) * cp
+def parse_cp_speeds(text: str | None, cp: int) -> tuple[tuple[float, ...], bool]:
+    """parallel.cp_speeds -> (one positive speed per CP rank to start from, whether they are measured):
+    'S0,S1,...' declared, 'measured' (starting equal), None all 1 and fixed."""
+    if text is None or str(text) == "measured":
+        return (1.0,) * cp, text is not None
     try:
         speeds = tuple(float(x) for x in str(text).split(","))
     except ValueError:
@@ -209,9 +210,9 @@ def parse_cp_speeds(text: str | None, cp: int) -> tuple[float, ...]:
     _require(
         len(speeds) == cp and all(math.isfinite(v) and v > 0 for v in speeds),
         f"parallel.cp_speeds {text!r} must list {cp} positive speeds, one per CP rank (e.g. "
-        f"{','.join(['1'] * (cp - 1) + ['0.5'])})",
+        f"{','.join(['1'] * (cp - 1) + ['0.5'])}), or be 'measured'",
     )
-    return speeds
+    return speeds, False
 
 
 def _validate_context_parallel(cfg: MegahetConfig) -> None:

@@ -11,7 +11,7 @@ Role: runtime (the interface between a script and the loop).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -38,6 +38,9 @@ class Task:
     eval_summary: Callable[[dict[str, float]], dict[str, float]]
     """Summed evaluation metrics (over micro-batches and DP) -> reported metrics."""
     tokens_per_sample: int = 1
+    step_hooks: Sequence = ()
+    """Step hooks the task brings (megahet/runtime/hooks.py), run after megahet's and before the caller's;
+    each is given the Trainer as its `ctx` (e.g. the CP placement's speed measurement)."""
     vocab_size: int | None = None
     """The tokenizer's vocabulary (before padding), recorded in checkpoints for resharding."""
     tokenizer_model: str | None = None

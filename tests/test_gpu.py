@@ -257,6 +257,45 @@ def test_cp_chunks_run_the_lower_right_causal_corner_in_a_fused_kernel(groups: i
         torch.testing.assert_close(out.float(), whole[:, :, mine].float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("groups", [8, 2], ids=["mha", "gqa"])
+def test_placed_slices_attend_their_document_keys_in_a_fused_kernel(groups: int) -> None:
+    """Dynamic CP placement on CUDA (bf16): each rank's slices (whole documents and blocks of cut ones, from
+    the planner with a half-speed rank) attend to their documents' keys assembled as the all-to-all would
+    (megahet/models/cp_placed.py), lower-right causal SDPA per slice in the flash / efficient kernels; every
+    rank's output equals causal attention inside each whole document at its tokens (bf16 tolerance)."""
+    import numpy as np
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megahet.models.context_parallel import attend_spans
+    from megahet.models.cp_placed import PlacedLayout
+    from megahet.policy.cp_placement import dynamic_cp_plan
+    from megahet.policy.packing import DocCost
+
+    def sdpa(q, k, v, mask, dropout, causal, gqa):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+
+    lengths, hn = [3000, 200, 1200, 64, 700], 64
+    plan = dynamic_cp_plan(lengths, DocCost(a=1e-8, b=1e-6, c=0.0), [1.0, 0.5, 1.0, 1.0], block=256)
+    assert not all(plan.whole())  # some document is cut across ranks
+    t = sum(lengths)
+    q = torch.randn(1, 8, t, hn, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, groups, t, hn, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    whole = torch.cat(
+        [F.scaled_dot_product_attention(*x, is_causal=True, enable_gqa=groups != 8)
+         for x in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2))], dim=2,
+    )  # fmt: skip
+    layout = PlacedLayout(plan)
+    for rank in range(plan.cp):
+        mine = torch.from_numpy(layout.local_positions(rank)).cuda()
+        keys = torch.from_numpy(
+            layout.key_positions(rank).astype(np.int64)
+        ).cuda()  # what the exchange assembles
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):  # no math fallback
+            out = attend_spans(q[:, :, mine], k[:, :, keys], v[:, :, keys], layout.spans(rank), sdpa)
+        torch.testing.assert_close(out.float(), whole[:, :, mine].float(), rtol=2e-2, atol=2e-2)
+
+
 def test_balancer_trace_on_the_gpu_times_compute_and_fixed_work_with_cuda_events(tmp_path: Path) -> None:
     """pretrain_gpt --balance.mode semi --balance.trace on one GPU: every step's row carries the layers'
     compute, the fixed work and its optimizer part (issue 31), all read from CUDA events: positive, the

@@ -99,9 +99,11 @@ class ParallelConfig(_Section):
     exchange) or cut into parallel.cp_block blocks spread over several (megahet/policy/cp_placement.py)."""
     cp_speeds: str | None = None
     """cp_placement dynamic: each CP rank's relative speed, 'S0,S1,...' (e.g. 1,0.5: rank 1 gets about half
-    the work); None: equal."""
-    cp_block: int = 512
-    """cp_placement dynamic: tokens per block of a document spread over several CP ranks."""
+    the work), or 'measured' (from each CP rank's compute time against its predicted work, every step, over
+    balance.window steps: megahet/runtime/cp_placement.py); None: equal."""
+    cp_block: int = 2048
+    """cp_placement dynamic: tokens per block of a document spread over several CP ranks (measured on CPU at
+    8192-token micro-batches: 2048 fastest of 512-4096, benchmarks/results/long_context_speed.md)."""
     stage_layers: str | None = None
     """Transformer layers per pipeline stage, 'L0,L1,...' (each >= 1, summing to model.num_layers), e.g.
     3,5 to give a slow first stage fewer layers; None: model.num_layers / pp each (or hetero.pp_split's)."""

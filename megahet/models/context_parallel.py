@@ -191,3 +191,9 @@ def cp_group():
     if not ps.model_parallel_is_initialized() or ps.get_context_parallel_world_size() == 1:
         return None
     return ps.get_context_parallel_group()
+
+
+def cp_rank() -> int:
+    """This rank's place in its CP group (0 without context parallelism)."""
+    group = cp_group()
+    return 0 if group is None else dist.get_rank(group)

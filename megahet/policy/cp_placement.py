@@ -260,18 +260,3 @@ def dynamic_cp_plan(
             loads.add(s, received)
             slices.append(s)
     return _plan(len(speeds), lengths, slices)
-
-
-@dataclasses.dataclass(frozen=True)
-class CPPlacer:
-    """The dynamic planner's inputs other than the documents: a micro-batch's lengths -> its plan, the same
-    on every rank (no collective)."""
-
-    cost: DocCost
-    speeds: tuple[float, ...]
-    block: int = 512
-    cap: int | None = None
-    kv_seconds: float = 0.0
-
-    def plan(self, lengths: Sequence[int]) -> CPPlan:
-        return dynamic_cp_plan(lengths, self.cost, self.speeds, self.cap, self.block, self.kv_seconds)

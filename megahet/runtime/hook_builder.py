@@ -15,7 +15,8 @@ The order, and why:
 5. `DeviceStepHook` (device.profile): the virtual device's step;
 6. `PackingController` (data.packing=documents): the cost model's profile and refits, after the step's
    plan is known;
-7. the caller's `extra_hooks` (pretrain's), last: they see what megahet's hooks did.
+7. the task's own hooks (`Task.step_hooks`, e.g. the CP placement's speed measurement);
+8. the caller's `extra_hooks` (pretrain's), last: they see what megahet's hooks did.
 
 Set-up that goes with the hooks happens here too: the transformer layers' compute is timed when a
 balancer reads it, a virtual device is attached to the Trainer's clock, and the plan's starting shares
@@ -89,8 +90,10 @@ def build_step_hooks(
         packing = PackingController(cfg, trainer, layout, trainer.task, trainer.logger)
     if cfg.balance.active or pipeline:  # the balancers read the transformer layers' own compute
         time_layers(model, trainer.clock)
+    for hook in trainer.task.step_hooks:
+        hook.ctx = trainer
     ordered = [pp_balancer, dp_balancer, balancer, resizer, device, packing]
-    hooks = [hook for hook in ordered if hook is not None] + list(extra_hooks)
+    hooks = [hook for hook in ordered if hook is not None] + [*trainer.task.step_hooks, *extra_hooks]
     trainer.step_hooks = hooks
     if plan.replica_speeds is not None:  # packed documents are planned by cost over speed every step
         trainer.set_replica_speeds(plan.replica_speeds)

@@ -91,17 +91,24 @@ def test_packed_llama_documents_at_cp4_train_as_one_rank(tmp_path, gpt_data, pac
     _same("packed llama cp4", split, packed_reference)
 
 
-def test_packed_llama_documents_placed_by_speed_at_cp2_train_as_one_rank(
+def test_packed_llama_documents_placed_by_measured_speed_at_cp2_train_as_one_rank(
     tmp_path, gpt_data, packed_reference
 ):
     """Dynamic placement: each micro-batch's documents whole on one CP rank or cut into 16-token blocks
-    spread by speed (rank 1 declared at half speed), rotary positions per token, keys and values sent only
-    where needed; ZeRO-1 partitions over the 2 CP ranks, which sum their gradients; the evaluation is placed
-    too."""
-    placed = ["--parallel.cp", "2", "--parallel.cp_placement", "dynamic", "--parallel.cp_speeds", "1,0.5"]
-    placed += ["--parallel.cp_block", "16", "--data.doc_cost", "2e-7,1e-6,1e-4"]
+    spread by the CP ranks' measured speeds, rotary positions per token, keys and values sent only where
+    needed; ZeRO-1 partitions over the 2 CP ranks, which sum their gradients; the evaluation is placed too.
+    Every step logs the speeds it measured and the keys and values rank 0 received."""
+    placed = ["--parallel.cp", "2", "--parallel.cp_placement", "dynamic", "--parallel.cp_speeds", "measured"]
+    placed += ["--parallel.cp_block", "16", "--data.doc_cost", "2e-7,1e-6,1e-4", "--balance.window", "1"]
     split = _curves(tmp_path / "placed", gpt_data, LLAMA_MODEL, 2, [*PACKED, *placed])
     _same("packed llama placed cp2", split, packed_reference)
+    records = read_records(tmp_path / "placed" / "torchrun.jsonl")
+    speeds = [
+        (r["cp_speed_0"], r["cp_speed_1"]) for step, r in records.items() if step > 1 and "cp_speed_0" in r
+    ]
+    assert speeds and all(0 < min(v) and max(v) == 1.0 for v in speeds), speeds  # the fastest is 1
+    assert any(v != (1.0, 1.0) for v in speeds), f"the speeds were never measured: {speeds}"
+    assert any(r.get("cp_kv_tokens", 0) > 0 for r in records.values()), "no document was cut across ranks"
 
 
 @pytest.mark.parametrize(

@@ -270,5 +270,6 @@ def test_a_bad_dynamic_cp_placement_gets_a_one_line_error(overrides: dict, needl
     _invalid(_cfg(**{**PLACED, **overrides}), 8, *needles)
 
 
-def test_a_dynamic_cp_placement_by_declared_speeds_validates() -> None:
-    assert validate(_cfg(**{**PLACED, "parallel.cp_speeds": "1,0.5"}), 4) == 2
+@pytest.mark.parametrize("speeds", ["1,0.5", "measured"])
+def test_a_dynamic_cp_placement_by_declared_or_measured_speeds_validates(speeds: str) -> None:
+    assert validate(_cfg(**{**PLACED, "parallel.cp_speeds": speeds}), 4) == 2

@@ -1,0 +1,103 @@
+"""Context-parallel placement at run time (issue 45): each packed micro-batch's documents placed over the
+CP ranks by predicted cost and CP rank speed, and those speeds measured.
+
+Role: runtime (the placer pretrain_gpt's forward step calls, and its step hook; the planner is
+megahet/policy/cp_placement.py, the layout and attention megahet/models/cp_placed.py).
+
+- **Placement.** `placer(lengths)` plans one micro-batch with the packing's cost model as it stands (the
+  stream's: profiled at start-up and refined, the same on every rank) and the current speeds, so every rank
+  computes the same plan with no collective. It counts what the plan gives this rank: the predicted seconds
+  of its slices (at speed 1) and the key / value tokens it receives.
+- **Speeds.** Declared (`parallel.cp_speeds S0,S1,...`, fixed), or measured (`parallel.cp_speeds
+  measured`): after every training step each CP rank's compute seconds (the Trainer's clock: collectives
+  and the optimizer excluded) and its predicted seconds are gathered over the CP group (asynchronously,
+  folded in at the next step). A rank's speed is the median over the last `balance.window` steps of
+  predicted / measured, the fastest 1; every CP rank folds in the same gathered numbers, so the speeds, and
+  the plans, stay the same on every rank. A slow rank (another tenant on its core, an older GPU) is then
+  given less of the next steps' work whatever made it slow.
+- **Report.** `cp_speed_<r>` per CP rank and `cp_kv_tokens` (the key / value tokens this rank received
+  per layer in the last step) with every log line.
+
+    runtime = CPPlacement(cost_of=lambda: stream.cost, speeds=(1.0, 1.0), measured=True, cp_rank=0,
+                          group=cp_group, block=512, kv_cost=0.1, window=3)
+    plan = runtime.placer([512, 37, 4096])    # in the forward step; the hook's after_step measures
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+
+import torch
+
+from megahet.policy.cp_placement import CPPlan, dynamic_cp_plan, slice_cost
+from megahet.policy.detector import MedianWindow
+from megahet.policy.packing import DocCost
+from megahet.runtime.hooks import MeasuringHook
+
+
+class CPPlacement(MeasuringHook):
+    """The dynamic placement of this run's packed micro-batches, and the CP ranks' speeds it plans with."""
+
+    def __init__(
+        self,
+        cost_of: Callable[[], DocCost],
+        speeds: Sequence[float],
+        measured: bool,
+        cp_rank: int,
+        group,
+        block: int,
+        kv_cost: float,
+        window: int,
+    ):
+        self.cost_of, self.measured, self.cp_rank, self.group = cost_of, measured, cp_rank, group
+        self.speeds = tuple(float(v) for v in speeds)
+        self.block, self.kv_cost = block, kv_cost
+        self.window = MedianWindow(len(self.speeds), window)
+        self.predicted_s = 0.0  # this rank's slices this step, seconds at speed 1
+        self.kv_tokens = self.last_kv_tokens = 0
+        self.counting = True
+
+    def placer(self, lengths: Sequence[int]) -> CPPlan:
+        """The plan of one micro-batch of documents of these lengths (the same on every CP rank)."""
+        cost = self.cost_of()
+        plan = dynamic_cp_plan(lengths, cost, self.speeds, block=self.block, kv_seconds=self.kv_cost * cost.b)
+        if self.counting:
+            self.predicted_s += sum(slice_cost(cost, s.start, s.stop) for s in plan.slices_of(self.cp_rank))
+            self.kv_tokens += plan.kv_tokens()[self.cp_rank]
+        return plan
+
+    def before_forward_backward(self, step: int) -> None:
+        self._collect()
+        self.step = step
+
+    def after_step(self, engine) -> None:
+        mine = torch.tensor([self.ctx.times.compute_s, self.predicted_s], dtype=torch.float64)
+        self.last_kv_tokens, self.kv_tokens, self.predicted_s = self.kv_tokens, 0, 0.0
+        if self.measured:
+            self._gather(mine, self.group)
+
+    def _collect(self) -> None:
+        taken = self._take()
+        if taken is None:
+            return
+        rows, _, _ = taken
+        # speed-1 seconds per measured second; a rank that measured nothing gives no sample
+        self.window.update([p / m if m > 0 and p > 0 else -1.0 for m, p in rows])
+        if self.window.ready:
+            rates = self.window.medians()
+            self.speeds = tuple(r / max(rates) for r in rates)
+
+    @contextlib.contextmanager
+    def evaluation(self):
+        """Evaluation's micro-batches are placed the same way, but not counted as the step's work."""
+        self.counting = False
+        try:
+            yield
+        finally:
+            self.counting = True
+
+    def report(self) -> dict[str, float]:
+        out = {f"cp_speed_{r}": v for r, v in enumerate(self.speeds)}
+        out["cp_kv_tokens"] = float(self.last_kv_tokens)
+        return out

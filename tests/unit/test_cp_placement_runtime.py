@@ -1,0 +1,69 @@
+"""The CP placement's runtime (megahet/runtime/cp_placement.py, issue 45): it counts what each plan gives its
+rank, turns the CP ranks' gathered compute times into speeds (median over the window, fastest 1), plans the
+next micro-batches with them, and leaves evaluation's micro-batches out of the step's work.
+
+Run: ``python -m pytest tests/unit/test_cp_placement_runtime.py -q`` (a second).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megahet.policy.cp_placement import slice_cost
+from megahet.policy.packing import DocCost
+from megahet.runtime.cp_placement import CPPlacement
+
+COST = DocCost(a=1e-8, b=1e-6, c=0.0)
+LENGTHS = [4096, 700, 300, 2500, 120, 64, 1800]
+
+
+def runtime(measured: bool = True, window: int = 1, speeds=(1.0, 1.0)) -> CPPlacement:
+    return CPPlacement(
+        cost_of=lambda: COST, speeds=speeds, measured=measured, cp_rank=1, group=None, block=256, kv_cost=0.1,
+        window=window,
+    )  # fmt: skip
+
+
+def gathered(placement: CPPlacement, rows: list[tuple[float, float]]) -> None:
+    """What the all-gather of (compute seconds, predicted seconds) per CP rank would hand over."""
+    tensors = [torch.tensor(row, dtype=torch.float64) for row in rows]
+    placement._pending = (None, tensors, 0, 1.0)
+
+
+def test_it_counts_the_predicted_seconds_and_received_tokens_of_its_own_slices() -> None:
+    placement = runtime()
+    plan = placement.placer(LENGTHS)
+    mine = sum(slice_cost(COST, s.start, s.stop) for s in plan.slices_of(1))
+    assert placement.predicted_s == pytest.approx(mine) and mine > 0
+    assert placement.kv_tokens == plan.kv_tokens()[1]
+    with placement.evaluation():  # evaluation's micro-batches are not the step's work
+        placement.placer(LENGTHS)
+    assert placement.predicted_s == pytest.approx(mine)
+
+
+def test_measured_speeds_follow_the_ranks_compute_and_shift_the_work() -> None:
+    placement = runtime()
+    before = placement.placer(LENGTHS).tokens()
+    gathered(placement, [(1.0, 1.0), (2.0, 1.0)])  # rank 1 took twice as long for the same predicted work
+    placement.before_forward_backward(1)
+    assert placement.speeds == (1.0, 0.5)
+    after = placement.placer(LENGTHS).tokens()
+    assert after[1] < before[1] and after[0] > before[0]
+    assert placement.report()["cp_speed_1"] == 0.5
+
+
+def test_one_outlier_does_not_move_a_window_of_three() -> None:
+    placement = runtime(window=3)
+    for rows in ([(1.0, 1.0), (1.0, 1.0)], [(1.0, 1.0), (1.0, 1.0)], [(1.0, 1.0), (5.0, 1.0)]):
+        gathered(placement, rows)
+        placement.before_forward_backward(1)
+    assert placement.speeds == (1.0, 1.0)
+
+
+def test_declared_speeds_stay_and_measure_nothing() -> None:
+    placement = runtime(measured=False, speeds=(1.0, 0.5))
+    placement.ctx = type("Ctx", (), {"times": type("T", (), {"compute_s": 1.0})()})()
+    placement.after_step(None)  # no gather: nothing pending
+    placement.before_forward_backward(1)
+    assert placement.speeds == (1.0, 0.5) and placement._pending is None

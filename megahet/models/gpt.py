@@ -53,7 +53,8 @@ def build_gpt(
     """The GPT stage of this rank (pre/post-process from its pipeline position); `initialize` false: its
     weights are left uninitialized, to be loaded (pass `not layout.weights_loaded`)."""
     m = cfg.model
-    model = PlacedGPTModel(
+    placed = cfg.parallel.cp > 1 and cfg.parallel.cp_placement == "dynamic"
+    model = (PlacedGPTModel if placed else GPTModel)(
         config=transformer_config(cfg, split, initialize),
         transformer_layer_spec=layer_spec or default_layer_spec(cfg),
         vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, cfg.parallel.tp),

@@ -284,15 +284,20 @@ COLUMNS = [
 ]  # fmt: skip
 
 
-def save(out: Path, rows: list[dict], summary_: dict, meta: dict) -> None:
-    """long_context.json ({"memory": rows, "summary": ..., "meta": ...}, other parts' keys kept) and .md."""
+def merge_part(out: Path, key: str, rows: list[dict], summary_: dict, meta: dict) -> None:
+    """Part `key`'s rows, summary keys and meta into out/long_context.json, the other parts' kept."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / "long_context.json"
     data = json.loads(path.read_text()) if path.exists() else {}
-    data["memory"] = rows
+    data[key] = rows
     data["summary"] = {**data.get("summary", {}), **summary_}
-    data.setdefault("meta", {})["memory"] = meta
+    data.setdefault("meta", {})[key] = meta
     path.write_text(json.dumps(data, indent=1))
+
+
+def save(out: Path, rows: list[dict], summary_: dict, meta: dict) -> None:
+    """long_context.json ({"memory": rows, "summary": ..., "meta": ...}, other parts' keys kept) and .md."""
+    merge_part(out, "memory", rows, summary_, meta)
     lines = [
         "## (a) Longest document within the per-rank memory cap",
         "",

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import RESULTS, markdown_table
-from benchmarks.long_context import MODEL
+from benchmarks.long_context import MODEL, merge_part
 
 CONDITIONS = ("equal", "emulated", "contention")
 SLOW = (1.0, 0.5)
@@ -266,10 +266,6 @@ COLUMNS = [
 
 def save(out: Path, rows: list[dict], meta: dict) -> None:
     """long_context.json's "speed" rows and summary keys (other parts' kept) and long_context_speed.md."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "long_context.json"
-    data = json.loads(path.read_text()) if path.exists() else {}
-    data["speed"] = rows
     speedup = {(r["condition"], r["planner"]): r["vs_static"] for r in rows}
     summary = {}
     if ("equal", "dynamic") in speedup:
@@ -281,9 +277,7 @@ def save(out: Path, rows: list[dict], meta: dict) -> None:
     for condition in ("emulated", "contention"):
         if (condition, "measured") in speedup:
             summary[f"{condition}_measured_vs_static"] = speedup[(condition, "measured")]
-    data["summary"] = {**data.get("summary", {}), **summary}
-    data.setdefault("meta", {})["speed"] = meta
-    path.write_text(json.dumps(data, indent=1))
+    merge_part(out, "speed", rows, summary, meta)
     lines = [
         "## (b), (c) Step time on the long-tail mix at CP 2",
         "",

@@ -10,13 +10,12 @@ Run: ``python -m pytest tests/unit/test_cp_attention.py -q`` (about 20 s).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from cp_groups import on_cp4_and_cp2
 
 from megahet.launch import free_port
 from megahet.models.context_parallel import (
@@ -37,26 +36,17 @@ def _sdpa(q, k, v, mask, dropout, causal, gqa):
     )
 
 
-def _worker(rank: int, world: int, port: int) -> None:
-    """CP 4 over the whole world, then CP 2 over ranks 0 and 1 (one launch for both sizes)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        pair = dist.new_group([0, 1])  # every rank takes part in creating it
-        for group in (dist.group.WORLD, pair if rank < 2 else None):
-            if group is None:
-                continue
-            cp = dist.get_world_size(group)
-            for ng in (NP, 2):  # multi-head, grouped-query
-                _check(group, cp, ng, causal=False)
-                for merge in (True, False):  # key blocks merged by log-sum-exp; SDPA, lower-right causal
-                    _check(group, cp, ng, causal=True, merge=merge)
-            for ng in (NP, 2):
-                _check_packed(group, cp, ng)
-            loss_sum, tokens = cp_totals(torch.tensor(float(rank + 1)), torch.tensor(10.0), group)
-            assert loss_sum.item() == cp * (cp + 1) / 2 and tokens.item() == 10.0 * cp
-    finally:
-        dist.destroy_process_group()
+def _checks(group) -> None:
+    """Every attention variant at this group's CP size, and the loss totals."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    for ng in (NP, 2):  # multi-head, grouped-query
+        _check(group, cp, ng, causal=False)
+        for merge in (True, False):  # key blocks merged by log-sum-exp; SDPA, lower-right causal
+            _check(group, cp, ng, causal=True, merge=merge)
+    for ng in (NP, 2):
+        _check_packed(group, cp, ng)
+    loss_sum, tokens = cp_totals(torch.tensor(float(rank + 1)), torch.tensor(10.0), group)
+    assert loss_sum.item() == cp * (cp + 1) / 2 and tokens.item() == 10.0 * cp
 
 
 def _check(group, cp: int, ng: int, causal: bool, merge: bool | None = None) -> None:
@@ -111,7 +101,7 @@ def _check_packed(group, cp: int, ng: int) -> None:
 def test_cp_attention_equals_attention_over_the_whole_sequence() -> None:
     """At CP 4 and CP 2; causal and unmasked, multi-head and grouped-query; and the loss totals sum over
     the CP group."""
-    mp.spawn(_worker, args=(4, free_port()), nprocs=4, join=True)
+    mp.spawn(on_cp4_and_cp2, args=(4, free_port(), _checks), nprocs=4, join=True)
 
 
 def test_the_head_tail_split_gives_every_rank_the_same_causal_work() -> None:

@@ -8,14 +8,13 @@ Run: ``python -m pytest tests/unit/test_cp_placed.py -q`` (about 15 s).
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from cp_groups import on_cp4_and_cp2
 
 from megahet.launch import free_port
 from megahet.models.cp_placed import PlacedLayout, placed_attention, placed_batch_on_this_cp_rank
@@ -73,21 +72,12 @@ def _check(group, plan: CPPlan, ng: int) -> None:
         torch.testing.assert_close(local.grad, whole.grad[mine], rtol=1e-10, atol=1e-10)
 
 
-def _worker(rank: int, world: int, port: int) -> None:
-    """CP 4 over the whole world, then CP 2 over ranks 0 and 1 (one launch for both sizes)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        pair = dist.new_group([0, 1])  # every rank takes part in creating it
-        for group in (dist.group.WORLD, pair if rank < 2 else None):
-            if group is None:
-                continue
-            for plan in plans(dist.get_world_size(group)).values():
-                for ng in (NP, 2):  # multi-head, grouped-query
-                    _check(group, plan, ng)
-            _check_batch(group)
-    finally:
-        dist.destroy_process_group()
+def _checks(group) -> None:
+    """Every planner's plan at this group's CP size, multi-head and grouped-query; the batch split."""
+    for plan in plans(dist.get_world_size(group)).values():
+        for ng in (NP, 2):
+            _check(group, plan, ng)
+    _check_batch(group)
 
 
 def _check_batch(group) -> None:
@@ -115,7 +105,7 @@ def _check_batch(group) -> None:
 
 def test_placed_attention_equals_attention_inside_each_whole_document() -> None:
     """At CP 4 and CP 2, for dynamic (by speed and equal), block and static plans, MHA and GQA."""
-    mp.spawn(_worker, args=(4, free_port()), nprocs=4, join=True)
+    mp.spawn(on_cp4_and_cp2, args=(4, free_port(), _checks), nprocs=4, join=True)
 
 
 @pytest.mark.parametrize("cp", [2, 4])

@@ -15,7 +15,7 @@ from megahet.config import ConfigError, MegahetConfig
 from megahet.parallel import check_world_size
 from megahet.policy.declared_speeds import parse_declared_speeds
 from megahet.policy.resize_planner import parse_block_gammas, parse_migrations, parse_rank_gammas
-from megahet.policy.speed_profile import parse_profile
+from megahet.policy.speed_profile import parse_collective_delays, parse_profile
 from megahet.policy.stage_split import StageSplit, best_split, parse_stage_layers
 
 
@@ -372,6 +372,16 @@ def _validate_device(cfg: MegahetConfig, world_size: int) -> None:
             parse_profile(d.profile).check(cfg.parallel.tp, world_size)
         except ValueError as err:
             raise ConfigError(f"device.profile: {err}") from None
+    if d.collective_delay_ms is not None:
+        _require(
+            bool(d.profile),
+            "device.collective_delay_ms delays a virtual device: set device.profile too (e.g. static:1,1 for "
+            "full speed)",
+        )
+        try:
+            parse_collective_delays(d.collective_delay_ms, cfg.parallel.tp, world_size)
+        except ValueError as err:
+            raise ConfigError(f"device.collective_delay_ms: {err}") from None
 
 
 def _validate_resize(cfg: MegahetConfig, dp: int) -> None:

@@ -264,6 +264,11 @@ class DeviceConfig(_Section):
     """Per-TP-rank speeds: static:S0,S1,..., schedule:STEP=S0,...;STEP=..., rotating:SLOWDOWN,PERIOD,
     contention:SLOWDOWN,PERIOD[,SEED], or a YAML/JSON file; static and schedule may instead list one speed
     per global rank (a slow replica or node). None: the real devices as they are."""
+    collective_delay_ms: str | None = None
+    """Per-TP-rank delay before every collective the rank joins, 'D0,D1,...' in milliseconds (one per TP rank,
+    or one per global rank), on the virtual devices of device.profile: a time-sliced rank, late to each
+    collective whatever its work (measured 1.5-2.4 ms on a shared CPU core: benchmarks/collective_delay.py).
+    None: no delay."""
     rate_gflops: float = 20.0
     """Nominal speed of a virtual device (speed 1) in GFLOP/s; keep it below the real rank's speed (a
     step's real compute must fit in its charge, FLOPs / (rate x speed): `device_overrun_s` says when not)."""

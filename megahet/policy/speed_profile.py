@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -121,3 +122,18 @@ def parse_profile(spec: str) -> SpeedProfile:
         f"bad device profile {spec!r}: use static:S0,S1,..., schedule:STEP=S0,...;STEP=..., "
         f"rotating:SLOWDOWN,PERIOD, contention:SLOWDOWN,PERIOD[,SEED], or a YAML/JSON file"
     )
+
+
+def parse_collective_delays(text: str, tp_size: int, world_size: int) -> tuple[float, ...]:
+    """device.collective_delay_ms 'D0,D1,...' -> seconds per TP rank (or per global rank): one per TP rank or
+    one per rank of the world, each >= 0."""
+    try:
+        delays = tuple(float(x) / 1e3 for x in str(text).split(","))
+    except ValueError:
+        delays = ()
+    if len(delays) not in (tp_size, world_size) or any(not math.isfinite(d) or d < 0 for d in delays):
+        raise ValueError(
+            f"{text!r} must list {tp_size} delays in ms (one per TP rank) or {world_size} (one per rank), "
+            "each >= 0, e.g. 0,2"
+        )
+    return delays

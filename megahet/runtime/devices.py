@@ -25,6 +25,13 @@ change the delay because they change the work. Nothing reads the profile or the 
 the balancer measures every rank's own compute (megahet/runtime/timing.py), so emulated and real slowness go
 through one measurement path.
 
+A time-sliced device (another tenant on its core or GPU) is also late to every collective, whatever its
+work: measured at 1.5-2.4 ms per collective on this host (benchmarks/collective_delay.py). With
+`--device.collective_delay_ms` the device sleeps that long before each collective its rank joins, in the
+compute regions and in the optimizer step's gradient reduction alike, so a TP group (~80 collectives a
+step) pays it far more often than a DP replica (one reduction): what the escalation ladder weighs
+(megahet/policy/escalation.py).
+
 Profiles (`--device.profile`, parsed by megahet/policy/speed_profile.py, inline or a YAML/JSON file with
 the same fields), per TP rank (the same
 in every DP replica and pipeline stage), or, for static and schedule profiles listing one speed per
@@ -37,6 +44,7 @@ global rank, over the whole mesh (a slow replica, a slow node):
     contention:4,20,7               every 20 steps each rank is 4x slow with probability 1/2 (seed 7)
 
     device = VirtualDevice(parse_profile("static:1,0.25"), tp_rank=1, tp_size=2, rate_gflops=20)
+    VirtualDevice(profile, 1, 2, 20, collective_delay_s=0.002)   # also 2 ms late to every collective
     attach_virtual_device(model, device, trainer.clock)   # pays before each collective it times
 """
 
@@ -62,9 +70,21 @@ class VirtualDevice:
     """Slows this rank down to `speed x rate`: before every collective of a compute region it sleeps what
     the work done since the last collective owes, work / (rate x speed), beyond the compute it took."""
 
-    def __init__(self, profile: SpeedProfile, tp_rank: int, tp_size: int, rate_gflops: float):
+    def __init__(
+        self,
+        profile: SpeedProfile,
+        tp_rank: int,
+        tp_size: int,
+        rate_gflops: float,
+        collective_delay_s: float = 0.0,
+    ):
         if rate_gflops <= 0:
             raise ValueError(f"rate_gflops must be positive, got {rate_gflops}")
+        if collective_delay_s < 0:
+            raise ValueError(f"collective_delay_s must be >= 0, got {collective_delay_s}")
+        self.collective_delay_s = collective_delay_s
+        """Slept before every collective this rank joins (a time-sliced rank: late to each, whatever its work)."""
+        self.delayed_s = 0.0  # this step's
         profile.check(tp_size)
         self.profile, self.tp_rank, self.tp_size = profile, tp_rank, tp_size
         self.rate = rate_gflops * 1e9
@@ -83,16 +103,26 @@ class VirtualDevice:
         self.work, self.clock = work, clock
         self._last = (0.0, work(), clock.blocked_host_s)
         clock.before_collective.append(self.pay)
+        if self.collective_delay_s > 0:
+            clock.on_collective.append(self.delay)
         clock.sync_host = cuda_available()
 
     def detach(self) -> None:
         """Stop paying in the clock's regions (its model was rebuilt: a re-split attaches a new device)."""
         if self.clock is not None and self.pay in self.clock.before_collective:
             self.clock.before_collective.remove(self.pay)
+        if self.clock is not None and self.delay in self.clock.on_collective:
+            self.clock.on_collective.remove(self.delay)
 
     def set_step(self, step: int) -> None:
         self.step = step
-        self.charge_s = self.host_s = self.overrun_s = self._slept_s = 0.0
+        self.charge_s = self.host_s = self.overrun_s = self._slept_s = self.delayed_s = 0.0
+
+    def delay(self) -> None:
+        """Before a collective: arrive `collective_delay_s` late (another tenant had the core or the GPU)."""
+        t0 = time.perf_counter()
+        time.sleep(self.collective_delay_s)
+        self.delayed_s += time.perf_counter() - t0
 
     @property
     def speed(self) -> float:
@@ -175,5 +205,5 @@ class DeviceStepHook(StepHook):
         d = self.device
         return {
             "device_speed": d.speed, "device_charge_s": d.charge_s, "device_host_s": d.host_s,
-            "device_overrun_s": d.overrun_s,
+            "device_overrun_s": d.overrun_s, "device_delay_s": d.delayed_s,
         }  # fmt: skip

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from megahet.parallel import mesh_coords
-from megahet.policy.speed_profile import parse_profile
+from megahet.policy.speed_profile import parse_collective_delays, parse_profile
 from megahet.run_plan import RunPlan
 from megahet.runtime.balancer import BalanceController
 from megahet.runtime.devices import DeviceStepHook, VirtualDevice, attach_virtual_device
@@ -44,7 +44,11 @@ def _virtual_device(plan: RunPlan, trainer) -> StepHook:
     cfg, layout = plan.cfg, trainer.layout
     profile = parse_profile(cfg.device.profile)
     index, width = profile.index(layout.tp_rank, layout.tp_size, layout.rank, layout.world_size)
-    device = VirtualDevice(profile, index, width, cfg.device.rate_gflops)
+    delay = 0.0
+    if cfg.device.collective_delay_ms is not None:
+        delays = parse_collective_delays(cfg.device.collective_delay_ms, layout.tp_size, layout.world_size)
+        delay = delays[layout.rank if len(delays) == layout.world_size != layout.tp_size else layout.tp_rank]
+    device = VirtualDevice(profile, index, width, cfg.device.rate_gflops, collective_delay_s=delay)
     attach_virtual_device(trainer.task.model, device, trainer.clock)  # it pays before each timed collective
     return DeviceStepHook(device)
 

@@ -42,6 +42,8 @@ and `fixed_s` as the rest of its own work, which it plans around (megahet/policy
 the end of every timed transformer layer): a virtual device (megahet/runtime/devices.py) pays its emulated
 delay there, so its peers wait in that collective exactly as they do behind a really slow device, and the
 delay of a layer's work is inside that layer's time (the pipeline balancer's per-layer time).
+`CommClock.on_collective` callbacks run before every timed collective, in regions and phases alike: a
+virtual device's per-collective delay (`device.collective_delay_ms`, a time-sliced rank) sleeps there.
 """
 
 from __future__ import annotations
@@ -127,6 +129,10 @@ class CommClock:
         self.stamps = stamps or (CudaStamps() if cuda_available() else HostStamps())
         self.before_collective: list[Callable[[], None]] = []
         """Called before each collective issued inside a compute region (virtual devices pay here)."""
+        self.on_collective: list[Callable[[], None]] = []
+        """Called before every collective the clock times, in a region or a phase (the optimizer step's
+        gradient reduction too), outside its wait: a virtual device's per-collective delay (a time-sliced
+        rank arrives late to each)."""
         self.sync_host = False
         """Synchronize the GPU around each collective, so host clocks see its wait (virtual devices on a
         GPU only; a real run never sets it)."""
@@ -236,6 +242,8 @@ class _Blocked:
             if c.sync_host:
                 torch.cuda.synchronize()
         if self.region or self.phase is not None:
+            for delay in c.on_collective:  # the rank's own lateness: not part of the wait
+                delay()
             self.host0, self.start = time.perf_counter(), c.stamps.now()
 
     def __exit__(self, *exc):

@@ -12,7 +12,9 @@ run without CP to fp32 tolerance:
 
 Packed documents (`data.packing documents`): the Llama shape at CP 4 against one rank, each document padded to
 a multiple of 8 and split over the 4 ranks (rotary positions per document by megatron-core's thd path); the
-CP run also profiles the document cost at start-up on its own chunks.
+CP run also profiles the document cost at start-up on its own chunks. And at TP 2 x CP 2 with dynamic
+placement by measured speed (documents whole or cut into blocks, rotary positions per token, keys and values
+sent only where needed).
 
 Checkpoints do not depend on CP (ZeRO partitions over DP x CP, which DeepSpeed and the reshard see as DP):
 the CP 2 x DP 2 run saves at step 2, and resumes from there at CP 2 x DP 2 (bit for bit), at CP 4 x DP 1
@@ -91,17 +93,19 @@ def test_packed_llama_documents_at_cp4_train_as_one_rank(tmp_path, gpt_data, pac
     _same("packed llama cp4", split, packed_reference)
 
 
-def test_packed_llama_documents_placed_by_measured_speed_at_cp2_train_as_one_rank(
+def test_packed_llama_documents_placed_by_measured_speed_at_tp2_x_cp2_train_as_one_rank(
     tmp_path, gpt_data, packed_reference
 ):
     """Dynamic placement: each micro-batch's documents whole on one CP rank or cut into 16-token blocks
     spread by the CP ranks' measured speeds, rotary positions per token, keys and values sent only where
-    needed; ZeRO-1 partitions over the 2 CP ranks, which sum their gradients; the evaluation is placed too.
-    Every step logs the speeds it measured and the keys and values rank 0 received."""
-    placed = ["--parallel.cp", "2", "--parallel.cp_placement", "dynamic", "--parallel.cp_speeds", "measured"]
-    placed += ["--parallel.cp_block", "16", "--data.doc_cost", "2e-7,1e-6,1e-4", "--balance.window", "1"]
-    split = _curves(tmp_path / "placed", gpt_data, LLAMA_MODEL, 2, [*PACKED, *placed])
-    _same("packed llama placed cp2", split, packed_reference)
+    needed (each TP rank exchanges its own heads' with its CP peer); ZeRO-1 partitions over the 2 CP
+    ranks, which sum their gradients; the evaluation is placed too. Every step logs the speeds it measured
+    and the keys and values rank 0 received."""
+    placed = ["--parallel.tp", "2", "--parallel.cp", "2", "--parallel.cp_placement", "dynamic"]
+    placed += ["--parallel.cp_speeds", "measured", "--parallel.cp_block", "16", "--balance.window", "1"]
+    placed += ["--data.doc_cost", "2e-7,1e-6,1e-4"]
+    split = _curves(tmp_path / "placed", gpt_data, LLAMA_MODEL, 4, [*PACKED, *placed])
+    _same("packed llama placed tp2 x cp2", split, packed_reference)
     records = read_records(tmp_path / "placed" / "torchrun.jsonl")
     speeds = [
         (r["cp_speed_0"], r["cp_speed_1"]) for step, r in records.items() if step > 1 and "cp_speed_0" in r

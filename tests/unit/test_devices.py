@@ -231,3 +231,52 @@ def test_device_config_errors_before_ranks_start():
     with pytest.raises(ConfigError, match="device.rate_gflops must be positive"):
         validate(load_config(["--device.rate_gflops", "0"]), 1)
     assert validate(load_config(["--device.profile", "rotating:4,20", "--parallel.tp", "2"]), 2) == 1
+
+
+def test_a_time_sliced_device_is_late_to_every_collective_in_regions_and_phases(world1):
+    """device.collective_delay_ms: the device sleeps its delay before each collective it joins, inside a
+    compute region and in a phase (the optimizer step's gradient reduction) alike; the delay is the rank's
+    own time, not its wait; nothing outside the clock's regions and phases is delayed; detach stops it."""
+    model = _tiny_gpt()
+    clock = CommClock()
+    device = VirtualDevice(
+        SpeedProfile("static", speeds=(1.0,)), 0, 1, rate_gflops=1e6, collective_delay_s=0.01
+    )
+    attach_virtual_device(model, device, clock)
+    with clock.installed():
+        dist.all_reduce(torch.ones(1))  # outside any region or phase: not timed, not delayed
+        assert device.delayed_s == 0.0
+        clock.open_region()
+        for _ in range(3):
+            dist.all_reduce(torch.ones(1))
+        clock.close_region()
+        with clock.phase("optimizer"):
+            dist.all_reduce(torch.ones(1))
+    assert device.delayed_s >= 4 * 0.01  # a sleep lasts at least its delay
+    compute, wait, *_ = clock.read()
+    assert compute >= 3 * 0.01 > wait  # the region's three delays are compute, not wait
+    assert DeviceStepHook(device).metrics()["device_delay_s"] == device.delayed_s
+    device.detach()
+    assert device.delay not in clock.on_collective
+    with pytest.raises(ValueError, match="collective_delay_s"):
+        VirtualDevice(SpeedProfile("static", speeds=(1.0,)), 0, 1, 1.0, collective_delay_s=-1.0)
+
+
+@pytest.mark.parametrize(
+    "delays, profile, needle",
+    [
+        ("0,2", None, "set device.profile too"),
+        ("0,2,1", "static:1,1", "2 delays in ms"),
+        ("0,-2", "static:1,1", "each >= 0"),
+        ("zero,two", "static:1,1", "e.g. 0,2"),
+    ],
+)
+def test_a_bad_collective_delay_gets_a_one_line_error(delays, profile, needle):
+    from megahet.config import ConfigError, load_config
+    from megahet.config_checks import validate
+
+    argv = ["--parallel.tp", "2", "--device.collective_delay_ms", delays]
+    cfg = load_config([*argv, *(["--device.profile", profile] if profile else [])])
+    with pytest.raises(ConfigError, match="device.collective_delay_ms") as err:
+        validate(cfg, 4)
+    assert needle in str(err.value) and "\n" not in str(err.value)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from megatron.core import parallel_state as ps
 from megatron.core.utils import get_batch_on_this_cp_rank
 
 from megahet.config import ConfigError, MegahetConfig
@@ -157,7 +158,8 @@ def cp_placement(cfg: MegahetConfig, stream: PackedStream) -> CPPlacement | None
         return None
     speeds, measured = parse_cp_speeds(p.cp_speeds, p.cp)
     return CPPlacement(
-        cost_of=lambda: stream.cost, speeds=speeds, measured=measured, cp_rank=cp_rank(), group=cp_group(),
+        cost_of=lambda: stream.cost, speeds=speeds, measured=measured, cp_rank=cp_rank(),
+        group=ps.get_tensor_and_context_parallel_group(),  # the ranks whose plans must agree
         block=p.cp_block, kv_cost=KV_COST, window=cfg.balance.window,
     )  # fmt: skip
 

@@ -199,7 +199,7 @@ def worker(args) -> None:
     ablate = [int(b) for b in args.ablate_blocks.split(",")] if args.ablate_blocks else []
     chosen = planners(cp, args.max_tokens // cp, args.block, ablate, speeds, replay)
     measured = CPPlacement(
-        cost_of=lambda: replay.cost, speeds=(1.0,) * cp, measured=True, cp_rank=rank, group=cp_group(),
+        cost_of=lambda: replay.cost, speeds=(1.0,) * cp, measured=True, cp_rank=rank, group=cp_group(),  # TP 1: the CP group
         block=args.block, kv_cost=pretrain_gpt.KV_COST, window=3,
     )  # fmt: skip
     measured.ctx = trainer

@@ -9,17 +9,18 @@ megahet/policy/cp_placement.py, the layout and attention megahet/models/cp_place
   computes the same plan with no collective. It counts what the plan gives this rank: the predicted seconds
   of its slices (at speed 1) and the key / value tokens it receives.
 - **Speeds.** Declared (`parallel.cp_speeds S0,S1,...`, fixed), or measured (`parallel.cp_speeds
-  measured`): after every training step each CP rank's compute seconds (the Trainer's clock: collectives
-  and the optimizer excluded) and its predicted seconds are gathered over the CP group (asynchronously,
-  folded in at the next step). A rank's speed is the median over the last `balance.window` steps of
-  predicted / measured, the fastest 1; every CP rank folds in the same gathered numbers, so the speeds, and
-  the plans, stay the same on every rank. A slow rank (another tenant on its core, an older GPU) is then
+  measured`): after every training step each rank's compute seconds (the Trainer's clock: collectives
+  and the optimizer excluded) and its predicted seconds are gathered over its TP x CP group
+  (asynchronously, folded in at the next step). A CP rank's time is its slowest TP rank's (they compute the
+  same tokens), its speed the median over the last `balance.window` steps of predicted / measured, the
+  fastest 1; every rank of the TP x CP group folds in the same gathered numbers, so the speeds, and the
+  plans, stay the same on every rank that must agree. A slow rank (another tenant on its core, an older GPU) is then
   given less of the next steps' work whatever made it slow.
 - **Report.** `cp_speed_<r>` per CP rank and `cp_kv_tokens` (the key / value tokens this rank received
   per layer in the last step) with every log line.
 
     runtime = CPPlacement(cost_of=lambda: stream.cost, speeds=(1.0, 1.0), measured=True, cp_rank=0,
-                          group=cp_group, block=512, kv_cost=0.1, window=3)
+                          group=tp_and_cp_group, block=2048, kv_cost=0.1, window=3)
     plan = runtime.placer([512, 37, 4096])    # in the forward step; the hook's after_step measures
 """
 
@@ -37,7 +38,8 @@ from megahet.runtime.hooks import MeasuringHook
 
 
 class CPPlacement(MeasuringHook):
-    """The dynamic placement of this run's packed micro-batches, and the CP ranks' speeds it plans with."""
+    """The dynamic placement of this run's packed micro-batches, and the CP ranks' speeds it plans with;
+    `group`: the ranks whose plans must agree (TP x CP), over which the measurements are gathered."""
 
     def __init__(
         self,
@@ -72,7 +74,7 @@ class CPPlacement(MeasuringHook):
         self.step = step
 
     def after_step(self, engine) -> None:
-        mine = torch.tensor([self.ctx.times.compute_s, self.predicted_s], dtype=torch.float64)
+        mine = torch.tensor([self.ctx.times.compute_s, self.predicted_s, self.cp_rank], dtype=torch.float64)
         self.last_kv_tokens, self.kv_tokens, self.predicted_s = self.kv_tokens, 0, 0.0
         if self.measured:
             self._gather(mine, self.group)
@@ -82,8 +84,15 @@ class CPPlacement(MeasuringHook):
         if taken is None:
             return
         rows, _, _ = taken
-        # speed-1 seconds per measured second; a rank that measured nothing gives no sample
-        self.window.update([p / m if m > 0 and p > 0 else -1.0 for m, p in rows])
+        # Per CP rank, the slowest of its TP ranks (they compute the same tokens): speed-1 seconds per
+        # measured second; a CP rank that measured nothing gives no sample.
+        measured = [
+            max((m for m, _, r in rows if int(r) == cp), default=0.0) for cp in range(len(self.speeds))
+        ]
+        predicted = [
+            max((p for _, p, r in rows if int(r) == cp), default=0.0) for cp in range(len(self.speeds))
+        ]
+        self.window.update([p / m if m > 0 and p > 0 else -1.0 for m, p in zip(measured, predicted)])
         if self.window.ready:
             rates = self.window.medians()
             self.speeds = tuple(r / max(rates) for r in rates)

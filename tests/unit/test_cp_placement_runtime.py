@@ -25,8 +25,10 @@ def runtime(measured: bool = True, window: int = 1, speeds=(1.0, 1.0)) -> CPPlac
     )  # fmt: skip
 
 
-def gathered(placement: CPPlacement, rows: list[tuple[float, float]]) -> None:
-    """What the all-gather of (compute seconds, predicted seconds) per CP rank would hand over."""
+def gathered(placement: CPPlacement, rows: list[tuple[float, ...]]) -> None:
+    """What the all-gather of (compute seconds, predicted seconds, CP rank) would hand over; rows without a
+    CP rank are CP ranks 0, 1, ... in order (TP 1)."""
+    rows = [row if len(row) == 3 else (*row, cp) for cp, row in enumerate(rows)]
     tensors = [torch.tensor(row, dtype=torch.float64) for row in rows]
     placement._pending = (None, tensors, 0, 1.0)
 
@@ -67,3 +69,12 @@ def test_declared_speeds_stay_and_measure_nothing() -> None:
     placement.after_step(None)  # no gather: nothing pending
     placement.before_forward_backward(1)
     assert placement.speeds == (1.0, 0.5) and placement._pending is None
+
+
+def test_a_cp_rank_runs_at_its_slowest_tp_ranks_pace() -> None:
+    """TP 2 x CP 2: the gathered rows of both TP ranks of each CP rank; the CP rank's time is the slower one,
+    the same speeds on every rank of the group."""
+    placement = runtime()
+    gathered(placement, [(1.0, 1.0, 0), (1.2, 1.0, 0), (1.0, 1.0, 1), (2.4, 1.0, 1)])
+    placement.before_forward_backward(1)
+    assert placement.speeds == pytest.approx((1.0, 0.5))

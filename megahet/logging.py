@@ -35,11 +35,12 @@ _CONSOLE_FORMAT = {
     "samples_per_s": "{:.1f} samples/s",
     "step_time_s": "step {:.3f} s",
     "balance_eff": "E {:.3f}",
+    "cp_kv_tokens": "cp kv {:.0f}",
 }
 # The plans, one value per TP rank (speed_tp0, ...), per DP replica (speed_dp0, share_dp0, ...) or per
 # pipeline stage (speed_pp0, layers_pp0, ...); packed documents: each replica's predicted and measured
-# seconds of the last step (pred_s_dp0, meas_s_dp0, ...)
-_PER_RANK = re.compile(r"^(speed|gamma|moved|share|layers|pred_s|meas_s)_(tp|dp|pp)\d+$")
+# seconds of the last step (pred_s_dp0, meas_s_dp0, ...); a dynamic CP placement's speed per CP rank (speed_cp0, ...)
+_PER_RANK = re.compile(r"^(speed|gamma|moved|share|layers|pred_s|meas_s)_(tp|dp|pp|cp)\d+$")
 _COUNTS = ("share", "layers")
 _EVALUATION = ("val_", "test_")
 

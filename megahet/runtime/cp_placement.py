@@ -16,7 +16,7 @@ megahet/policy/cp_placement.py, the layout and attention megahet/models/cp_place
   fastest 1; every rank of the TP x CP group folds in the same gathered numbers, so the speeds, and the
   plans, stay the same on every rank that must agree. A slow rank (another tenant on its core, an older GPU) is then
   given less of the next steps' work whatever made it slow.
-- **Report.** `cp_speed_<r>` per CP rank and `cp_kv_tokens` (the key / value tokens this rank received
+- **Report.** `speed_cp<r>` per CP rank and `cp_kv_tokens` (the key / value tokens this rank received
   per layer in the last step) with every log line.
 
     runtime = CPPlacement(cost_of=lambda: stream.cost, speeds=(1.0, 1.0), measured=True, cp_rank=0,
@@ -107,6 +107,6 @@ class CPPlacement(MeasuringHook):
             self.counting = True
 
     def report(self) -> dict[str, float]:
-        out = {f"cp_speed_{r}": v for r, v in enumerate(self.speeds)}
+        out = {f"speed_cp{r}": v for r, v in enumerate(self.speeds)}
         out["cp_kv_tokens"] = float(self.last_kv_tokens)
         return out

@@ -108,7 +108,7 @@ def test_packed_llama_documents_placed_by_measured_speed_at_tp2_x_cp2_train_as_o
     _same("packed llama placed tp2 x cp2", split, packed_reference)
     records = read_records(tmp_path / "placed" / "torchrun.jsonl")
     speeds = [
-        (r["cp_speed_0"], r["cp_speed_1"]) for step, r in records.items() if step > 1 and "cp_speed_0" in r
+        (r["speed_cp0"], r["speed_cp1"]) for step, r in records.items() if step > 1 and "speed_cp0" in r
     ]
     assert speeds and all(0 < min(v) and max(v) == 1.0 for v in speeds), speeds  # the fastest is 1
     assert any(v != (1.0, 1.0) for v in speeds), f"the speeds were never measured: {speeds}"

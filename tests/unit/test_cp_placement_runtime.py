@@ -52,7 +52,7 @@ def test_measured_speeds_follow_the_ranks_compute_and_shift_the_work() -> None:
     assert placement.speeds == (1.0, 0.5)
     after = placement.placer(LENGTHS).tokens()
     assert after[1] < before[1] and after[0] > before[0]
-    assert placement.report()["cp_speed_1"] == 0.5
+    assert placement.report()["speed_cp1"] == 0.5
 
 
 def test_one_outlier_does_not_move_a_window_of_three() -> None:
@@ -78,3 +78,12 @@ def test_a_cp_rank_runs_at_its_slowest_tp_ranks_pace() -> None:
     gathered(placement, [(1.0, 1.0, 0), (1.2, 1.0, 0), (1.0, 1.0, 1), (2.4, 1.0, 1)])
     placement.before_forward_backward(1)
     assert placement.speeds == pytest.approx((1.0, 0.5))
+
+
+def test_the_console_line_prints_the_cp_speeds_and_received_tokens() -> None:
+    from megahet.logging import format_console_line
+
+    placement = runtime(speeds=(1.0, 0.47))
+    placement.last_kv_tokens = 3072
+    line = format_console_line(5, 10, {"loss": 2.0, **placement.report()})
+    assert line == "step      5/10 | loss 2.0000 | cp speed 1.00 0.47 | cp kv 3072"

@@ -20,6 +20,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 WORLDS = {
     "cpu/gpt_packed_dp2.yaml": 2,
     "cpu/gpt_tp2_pp2.yaml": 4,
+    "cpu/llama_cp2_placed.yaml": 2,
     "cpu/llama_tp2.yaml": 2,
     "cpu/vit_tp2.yaml": 2,
     "gpu/gpt_tp2_pp2_dp2.yaml": 8,
@@ -31,7 +32,7 @@ WORLDS = {
 def test_example_config_validates(name: str, world: int):
     cfg = load_config(["--config", str(EXAMPLES / name)])
     dp = validate(cfg, world)
-    assert dp == world // (cfg.parallel.tp * cfg.parallel.pp)
+    assert dp == world // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
 
 
 PLANNER = ("gpu/llama_7b.yaml", "gpu/cluster_a100_v100.yaml")

@@ -150,19 +150,23 @@ def slow_down(model, factor: float, clock: CollectiveClock) -> None:
 
 def planners(cp: int, cap: int, block: int, ablate: list[int], speeds, stream) -> dict:
     """Each planner as pretrain_gpt's forward step takes it (None: static head-tail); `ablate`: blocks of
-    extra dynamic planners (dynamic_b<B>)."""
-    from megahet.policy.cp_placement import dynamic_cp_plan, power_of_two_plan
+    extra dynamic planners (dynamic_b<B>). The dynamic ones are the runtime's own placer at fixed speeds."""
+    from megahet.policy.cp_placement import power_of_two_plan
+    from megahet.runtime.cp_placement import CPPlacement
     from pretrain_gpt import KV_COST
 
-    def dynamic(lengths, block=block):
-        return dynamic_cp_plan(lengths, stream.cost, speeds, block=block, kv_seconds=KV_COST * stream.cost.b)
+    def dynamic(block: int):
+        return CPPlacement(
+            cost_of=lambda: stream.cost, speeds=speeds, measured=False, cp_rank=0, group=None, block=block,
+            kv_cost=KV_COST, window=1,
+        ).placer  # fmt: skip
 
     out = {
         "static": None,
         "power_of_two": lambda lengths: power_of_two_plan(lengths, cp, cap, stream.cost),
-        "dynamic": dynamic,
+        "dynamic": dynamic(block),
     }
-    out.update({f"dynamic_b{b}": functools.partial(dynamic, block=b) for b in ablate})
+    out.update({f"dynamic_b{b}": dynamic(b) for b in ablate})
     return out
 
 

@@ -86,13 +86,11 @@ class CPPlacement(MeasuringHook):
         rows, _, _ = taken
         # Per CP rank, the slowest of its TP ranks (they compute the same tokens): speed-1 seconds per
         # measured second; a CP rank that measured nothing gives no sample.
-        measured = [
-            max((m for m, _, r in rows if int(r) == cp), default=0.0) for cp in range(len(self.speeds))
-        ]
-        predicted = [
-            max((p for _, p, r in rows if int(r) == cp), default=0.0) for cp in range(len(self.speeds))
-        ]
-        self.window.update([p / m if m > 0 and p > 0 else -1.0 for m, p in zip(measured, predicted)])
+        slowest = [[0.0, 0.0] for _ in self.speeds]  # per CP rank: (measured, predicted) seconds
+        for measured, predicted, cp in rows:
+            slot = slowest[int(cp)]
+            slot[0], slot[1] = max(slot[0], measured), max(slot[1], predicted)
+        self.window.update([p / m if m > 0 and p > 0 else -1.0 for m, p in slowest])
         if self.window.ready:
             rates = self.window.medians()
             self.speeds = tuple(r / max(rates) for r in rates)

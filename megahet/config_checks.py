@@ -104,7 +104,37 @@ def validate(cfg: MegahetConfig, world_size: int) -> int:
         f"balance.mode={b.mode} migrates units and needs ZeRO-1: set parallel.zero_stage=1",
     )
     _validate_hetero(cfg, world_size, dp)
+    _validate_escalate(cfg, world_size)
     return dp
+
+
+def _validate_escalate(cfg: MegahetConfig, world_size: int) -> None:
+    e, p = cfg.escalate, cfg.parallel
+    _require(e.patience >= 1, f"escalate.patience must be >= 1 steps, got {e.patience}")
+    _require(e.horizon >= 1, f"escalate.horizon must be >= 1 steps, got {e.horizon}")
+    _require(e.window >= 1, f"escalate.window must be >= 1 steps, got {e.window}")
+    _require(0 <= e.min_gain < 1, f"escalate.min_gain must be in [0, 1), got {e.min_gain}")
+    _require(e.delay_floor_ms >= 0, f"escalate.delay_floor_ms must be >= 0, got {e.delay_floor_ms}")
+    if not e.active:
+        return
+    _require(world_size > 1, "escalate.mode=on moves between layouts of several ranks: launch 2 or more")
+    _require(
+        p.pp == 1 and p.cp == 1,
+        f"escalate.mode=on moves between TP x DP layouts (PP 1, CP 1), got PP {p.pp}, CP {p.cp}: set "
+        "parallel.pp=1 and parallel.cp=1, or escalate.mode=off",
+    )
+    _require(
+        cfg.data.packing != "documents",
+        "escalate.mode=on does not plan packed documents yet: set data.packing=none or escalate.mode=off",
+    )
+    _require(
+        p.zero_stage == 1,
+        "escalate.mode=on gives the moved-to replicas measured shares, which need ZeRO-1: set parallel.zero_stage=1",
+    )
+    _require(
+        not cfg.balance.replay,
+        "escalate.mode=on changes the layout a balance.replay trace was recorded on: drop one of them",
+    )
 
 
 def parse_doc_cost(text: str) -> tuple[float, float, float]:

@@ -152,6 +152,19 @@ def initialize_parallel(
     return current_layout()
 
 
+def regroup(tp: int, pp: int, seed: int, cp: int = 1) -> ParallelLayout:
+    """megatron-core's groups for another TP x PP (x CP) over the same world, in place (an escalation's move,
+    megahet/runtime/relayout.py): the world's group stays, the tensor-parallel RNG streams are seeded for
+    the new TP rank. Every rank calls it."""
+    check_world_size(dist.get_world_size(), tp, pp, cp)
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return current_layout()
+
+
 def current_layout() -> ParallelLayout:
     return ParallelLayout(
         rank=dist.get_rank(),

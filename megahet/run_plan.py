@@ -29,7 +29,7 @@ from typing import Any
 from megahet.checkpointing import finder
 from megahet.checkpointing.elastic import fit_layout, layout_note, needs_reshard, with_layout
 from megahet.config import ConfigError, MegahetConfig
-from megahet.config_checks import ranks_per_node, validate
+from megahet.config_checks import ranks_per_node, stage_split, validate
 from megahet.engine import fold_deepspeed_json
 from megahet.layout_plan import plan_for_launch
 from megahet.parallel import mesh_coords
@@ -82,6 +82,10 @@ class RunPlan:
     """Lines rank 0 prints before any rank starts work (which checkpoint, which layout)."""
     user_ds: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """The user's DeepSpeed JSON (train.deepspeed_config), already folded into cfg."""
+    escalation_tps: tuple[int, ...] = ()
+    """escalate.mode=on: the TP sizes whose TP x DP layout of this world fits (the current one among them)."""
+    home_cfg: MegahetConfig | None = None
+    """After an escalation's move: the run's own configuration, which every layout is derived from."""
 
     @property
     def tp(self) -> int:
@@ -95,11 +99,60 @@ class RunPlan:
         """This plan with other layers per stage (a re-split: nothing else changes)."""
         return dataclasses.replace(self, split=StageSplit(split), resume=None, reshard=False, notes=())
 
+    def with_layout(self, tp: int) -> RunPlan:
+        """This plan at TP `tp` x DP (world / TP), PP 1 (an escalation's move: `escalated_config`); the data
+        and the model stay, the split is the whole model, the shares start even."""
+        home = self.home_cfg or self.cfg
+        cfg = escalated_config(home, tp, self.world_size)
+        dp = validate(cfg, self.world_size)
+        t = cfg.train
+        return dataclasses.replace(
+            self, cfg=cfg.freeze(), dp=dp, split=stage_split(cfg), speeds=types.MappingProxyType({}),
+            shares=even_shares(t.global_batch_size // t.micro_batch_size, dp), replica_speeds=None,
+            resume=None, reshard=False, notes=(), home_cfg=home,
+        )  # fmt: skip
+
     def tp_group_speeds(self, pp_rank: int) -> list[list[float]] | None:
         """Declared speeds of stage pp_rank's TP ranks, per replica (what the TP balancer starts from)."""
         if not self.speeds:
             return None
         return [[self.speeds[(dp, pp_rank, tp)] for tp in range(self.tp)] for dp in range(self.dp)]
+
+
+def escalated_config(cfg: MegahetConfig, tp: int, world: int) -> MegahetConfig:
+    """cfg at TP `tp` x DP (world / TP), PP 1, balancing what the layout can by measured speed: DP shares
+    (hetero.dp_shares=measured unless the run plans them otherwise) when DP > 1, the TP balancer (the run's
+    balance.mode) only when TP > 1. At the run's own TP it is the run's configuration."""
+    if tp == cfg.parallel.tp:
+        return cfg
+    cfg = with_layout(cfg, tp, 1)
+    h, b = cfg.hetero, cfg.balance
+    shares = h.dp_shares if world // tp == 1 or h.active else "measured"
+    return dataclasses.replace(
+        cfg,
+        hetero=dataclasses.replace(h, dp_shares=shares if world // tp > 1 else "even"),
+        balance=b if tp > 1 else dataclasses.replace(b, mode="static"),
+    )
+
+
+def escalation_layouts(cfg: MegahetConfig, world: int) -> tuple[int, ...]:
+    """The TP sizes an escalation may move between: those whose `escalated_config` passes validation at
+    this world (the run's own among them). A ConfigError when there is no other."""
+    tps = []
+    for tp in range(1, world + 1):
+        if world % tp:
+            continue
+        try:
+            validate(escalated_config(cfg, tp, world), world)
+        except ConfigError:
+            continue
+        tps.append(tp)
+    if tps == [cfg.parallel.tp]:
+        raise ConfigError(
+            f"escalate.mode=on: no other TP x DP layout of {world} ranks fits this run (TP must divide the heads "
+            "and the MLP, DP the global batch in micro-batches): change the batch or set escalate.mode=off"
+        )
+    return tuple(tps)
 
 
 def declared_by_coords(cfg: MegahetConfig, world_size: int) -> dict[RankCoords, float]:
@@ -157,6 +210,7 @@ def plan_run(cfg: MegahetConfig, spec, world_size: int | None = None) -> RunPlan
         if not reshard:
             finder.check_compatible(resume, cfg, finder.zero_ranks(cfg, dp), split)
     shares, per_replica = _starting_shares(cfg, dp, speeds, cfg.data.packing == "documents")
+    tps = escalation_layouts(cfg, world) if cfg.escalate.active else ()
     return RunPlan(
         cfg=cfg.freeze(),
         world_size=world,
@@ -169,4 +223,5 @@ def plan_run(cfg: MegahetConfig, spec, world_size: int | None = None) -> RunPlan
         reshard=reshard,
         notes=tuple(notes),
         user_ds=types.MappingProxyType(user_ds),
+        escalation_tps=tps,
     )

@@ -106,6 +106,9 @@ class Trainer:
         self.pending_split: tuple[int, ...] | None = None
         """Layers per pipeline stage a hook asked for (`request_split`): training stops after the step
         and `pretrain()` re-splits (megahet/runtime/resplit.py)."""
+        self.pending_layout: int | None = None
+        """The TP size an escalation asked for (`request_layout`): training stops after the step and
+        `pretrain()` moves to TP x DP in place (megahet/runtime/relayout.py)."""
         self.last_saved = -1
         self.build_s = 0.0
         self.last_resplit = None
@@ -119,6 +122,16 @@ class Trainer:
         """Stop training after this step so that the stages are re-split to `split` (every rank asks for
         the same split at the same step: the pipeline balancer decides on numbers gathered over all)."""
         self.pending_split = tuple(split)
+
+    def request_layout(self, tp: int) -> None:
+        """Stop training after this step and move to TP `tp` x DP (world / TP) in place (every rank asks at
+        the same step: the escalation decides on numbers gathered over all)."""
+        self.pending_layout = tp
+
+    @property
+    def pending_move(self) -> bool:
+        """A hook asked for a re-split or another layout: training stops after the step."""
+        return self.pending_split is not None or self.pending_layout is not None
 
     def set_shares(self, shares: tuple[int, ...]) -> None:
         """Give replica r shares[r] micro-batches of every global batch from the next step on: this
@@ -258,14 +271,14 @@ class Trainer:
 
     def train(self) -> list[dict[str, float]]:
         """Run train_iters steps with logging and evaluation; returns the per-step records. Returns early,
-        after the step, when a re-split is asked for (`pending_split`)."""
+        after the step, when a re-split or another layout is asked for (`pending_move`)."""
         t = self.cfg.train
         history, window = [], []
-        while self.iteration < t.train_iters and self.pending_split is None:
+        while self.iteration < t.train_iters and not self.pending_move:
             record = self.train_step(sync=False)
             history.append(record)
             window.append(record)
-            last = self.iteration == t.train_iters or self.pending_split is not None
+            last = self.iteration == t.train_iters or self.pending_move
             if self.iteration % t.log_interval == 0 or last:
                 for item in window:  # the only host reads of the loss and grad norm, once per log line
                     as_floats(item)

@@ -34,11 +34,12 @@ from megahet.failures import (
 )
 from megahet.logging import TrainingLogger
 from megahet.models.compiled import compile_layers
-from megahet.parallel import ParallelLayout, destroy_parallel, initialize_parallel
+from megahet.parallel import ParallelLayout, current_layout, destroy_parallel, initialize_parallel
 from megahet.platform import cuda_available, device, release_freed_memory
 from megahet.run_plan import RunPlan, plan_run
 from megahet.runtime.hook_builder import build_step_hooks
 from megahet.runtime.hooks import StepHook
+from megahet.runtime.relayout import relayout
 from megahet.runtime.resplit import resplit
 from megahet.task import TaskSpec
 from megahet.trainer import Trainer
@@ -139,15 +140,18 @@ def build_trainer(
 def train_to_end(trainer: Trainer, spec: TaskSpec) -> tuple[Trainer, list[dict[str, Any]]]:
     """Train `trainer` to train.train_iters; when the pipeline balancer asks for other layers per stage,
     re-split the stages (the layers that change stage move rank to rank with their optimizer state, then
-    the stages are rebuilt: megahet/runtime/resplit.py) and go on. Returns the last Trainer and the per-step records."""
-    logger, layout, extra = trainer.logger, trainer.layout, trainer.extra_hooks
+    the stages are rebuilt: megahet/runtime/resplit.py); when the escalation asks for another layout, move
+    to it in place (megahet/runtime/relayout.py); and go on. Returns the last Trainer and the per-step records."""
+    logger, extra = trainer.logger, trainer.extra_hooks
 
-    def rebuild(plan: RunPlan, restore, resplits: int) -> Trainer:
-        return build_trainer(plan, spec, layout, None, logger, resplits, extra, restore)
+    def rebuild(plan: RunPlan, restore, resplits: int) -> Trainer:  # on the groups as they are now
+        return build_trainer(plan, spec, current_layout(), None, logger, resplits, extra, restore)
 
     history = trainer.train()
-    while trainer.pending_split is not None and trainer.iteration < trainer.cfg.train.train_iters:
-        trainer = resplit(trainer, rebuild)
+    while trainer.pending_move and trainer.iteration < trainer.cfg.train.train_iters:
+        trainer = (
+            resplit(trainer, rebuild) if trainer.pending_split is not None else relayout(trainer, rebuild)
+        )
         history += trainer.train()
     return trainer, history
 

@@ -5,7 +5,7 @@ Role: configuration (the settings, as data).
     cfg = load_config(["--config", "examples/cpu/gpt_tp2_pp2.yaml", "--train.lr", "3e-4"])
 
 Sections are `model`, `parallel`, `train`, `data`, `logging`, `resize`, `device`, `balance`,
-`hetero` and `plan` (megahet/config/sections.py); a key is overridden on the command line as
+`hetero`, `plan` and `escalate` (megahet/config/sections.py); a key is overridden on the command line as
 `--section.key value` (or `--section.key=value`, megahet/config/loading.py).
 DeepSpeed users' habits also work:
 `--deepspeed_config ds.json` (or `--deepspeed ds.json`) merges a ds_config over the one megahet
@@ -27,6 +27,7 @@ from megahet.config.sections import (
     ConfigError,
     DataConfig,
     DeviceConfig,
+    EscalateConfig,
     HeteroConfig,
     LoggingConfig,
     MegahetConfig,
@@ -43,6 +44,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "DeviceConfig",
+    "EscalateConfig",
     "HelpRequested",
     "HeteroConfig",
     "LoggingConfig",

@@ -372,6 +372,32 @@ class HeteroConfig(_Section):
 
 
 @dataclasses.dataclass(kw_only=True)
+class EscalateConfig(_Section):
+    """Escalation (docs/balancer.md; megahet/runtime/escalation.py): when balancing inside the layout cannot
+    win (a time-sliced rank, late to every collective of its TP group), move to another TP x DP layout in
+    place, and back when the straggler is gone, each when it pays."""
+
+    mode: Literal["off", "on"] = "off"
+    """on: measure every step, print every decision, and move when the escalation ladder says so."""
+    patience: int = 5
+    """Steps in a row a straggler must be flagged before a move (and gone before the way back)."""
+    horizon: int = 100
+    """A move must pay within this many steps (or the steps left, if fewer): the predicted time it saves
+    per step times them must exceed its cost (the last move's, measured; before one, the build at start)."""
+    min_gain: float = 0.05
+    """The other layout must save at least this fraction of the step."""
+    delay_floor_ms: float = 0.5
+    """A rank later than this to each collective (its peers' wait per collective minus its own) is a
+    straggler, whatever its speed."""
+    window: int = 5
+    """Steps in the medians of the measurements."""
+
+    @property
+    def active(self) -> bool:
+        return self.mode == "on"
+
+
+@dataclasses.dataclass(kw_only=True)
 class PlanConfig(_Section):
     """The layout planner (docs/planning.md): choose the layout for a described mixed cluster, then run it
     (`--plan auto --cluster cluster.yaml`; `tools/plan.py` prints and writes the plans instead)."""
@@ -413,6 +439,7 @@ class MegahetConfig(_Section):
     balance: BalanceConfig = dataclasses.field(default_factory=BalanceConfig)
     hetero: HeteroConfig = dataclasses.field(default_factory=HeteroConfig)
     plan: PlanConfig = dataclasses.field(default_factory=PlanConfig)
+    escalate: EscalateConfig = dataclasses.field(default_factory=EscalateConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

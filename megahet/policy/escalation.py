@@ -28,6 +28,15 @@ numbers, for the log.
     decision = ladder.decide(Observation(step=40, straggler=True, inside_s=1.3, other_s=0.9,
                                          move_s=20.0, steps_left=1000))
     decision.action          # "stay", "move" or "return"; decision.reason, decision.line()
+
+The other layout's step is predicted from what the runtime measured on this one (`Measured`: each rank's
+speed, own compute and per-collective delay, a collective's calm wait, the optimizer step) by
+`predict_step_s`: the work at speed 1 split over the candidate's replicas by their speed (the DP shares a
+measured balancer would give them, whole micro-batches), plus its collectives (`step_collectives`, counted
+on megatron-core 0.16 and DeepSpeed 0.19 by CommClock, tests/distributed/test_escalation.py checks the
+count), each at the calm wait plus the delay of the latest rank it waits for.
+
+    other = best_layout(measured, world=2, current=(2, 1))     # (step_s, tp, dp, shares) of the best other
 """
 
 from __future__ import annotations
@@ -36,6 +45,18 @@ import dataclasses
 import statistics
 from collections.abc import Sequence
 from typing import Literal
+
+from megahet.policy.dp_shares import dp_shares, even_shares
+
+TP_COLLECTIVES_PER_LAYER = 6
+"""Collectives a TP > 1 rank joins per transformer layer and micro-batch, forward and backward (counted by
+CommClock at TP 2 and 4, 4 and 8 layers; a collective over a group of one is not one: it waits for no peer)."""
+TP_COLLECTIVES_PER_MICRO_BATCH = 6
+"""... and per micro-batch outside the layers (the vocabulary-parallel embedding and cross-entropy)."""
+TP_STEP_COLLECTIVES = 2
+"""Per step in the optimizer step with TP > 1 (the gradient norm over the model-parallel group)."""
+DP_STEP_COLLECTIVES = 3
+"""Per step in the optimizer step with DP > 1 (ZeRO-1's gradient reduction and parameter gather, the norm)."""
 
 
 def collective_delay_s(slow_waits_s: Sequence[float], calm_waits_s: Sequence[float]) -> float:
@@ -122,3 +143,114 @@ class EscalationLadder:
             return decision("stay", f"it does not pay within {steps} steps")
         self.moved = not self.moved
         return decision(wanted, "the straggler persists" if wanted == "move" else "the straggler is gone")
+
+
+def step_collectives(tp: int, dp: int, layers: int) -> tuple[int, int]:
+    """(collectives per micro-batch, collectives per step outside the micro-batches) a rank of a TP x DP
+    layout joins, `layers` transformer layers (PP 1, ZeRO-1); counted on this stack (the module constants)."""
+    per_mb = TP_COLLECTIVES_PER_LAYER * layers + TP_COLLECTIVES_PER_MICRO_BATCH if tp > 1 else 0
+    per_step = TP_STEP_COLLECTIVES * (tp > 1) + DP_STEP_COLLECTIVES * (dp > 1)
+    return per_mb, per_step
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """What the runtime measured on the current layout, per global rank (medians over its window)."""
+
+    speeds: tuple[float, ...]
+    """Relative speeds, fastest 1 (the balancers' estimates)."""
+    compute_s: tuple[float, ...]
+    """Own compute per step in the forward and backward (collective waits excluded)."""
+    delays_s: tuple[float, ...]
+    """The delay each rank adds to every collective it joins (a time-sliced rank's; 0 for a calm one)."""
+    calm_wait_s: float
+    """A collective's wait when no rank is late (the transfer)."""
+    optimizer_s: float
+    """The optimizer step's own time (the slowest rank's)."""
+    micro_batches: int
+    """Micro-batches per global batch."""
+    layers: int
+
+    def __post_init__(self):
+        n = len(self.speeds)
+        if not n or len(self.compute_s) != n or len(self.delays_s) != n or min(self.speeds) <= 0:
+            raise ValueError(f"Measured: one positive speed, compute and delay per rank, got {self}")
+
+    @property
+    def work_s(self) -> float:
+        """The step's forward and backward at speed 1, summed over ranks (a rank of speed s that computed c
+        seconds did c x s of it)."""
+        return sum(c * s for c, s in zip(self.compute_s, self.speeds))
+
+    def straggler(self, healthy_gap: float, delay_floor_s: float) -> bool:
+        """A rank is slower than the fastest by more than `healthy_gap`, or late to each collective by more
+        than `delay_floor_s`."""
+        return min(self.speeds) < 1.0 - healthy_gap or max(self.delays_s) > delay_floor_s
+
+
+def predict_step_s(m: Measured, tp: int, balanced: bool = True) -> tuple[float, tuple[int, ...]]:
+    """(predicted step, micro-batches per replica) of TP x DP (DP = ranks / TP, megatron-core's order: a
+    replica's ranks are consecutive). A replica's TP group runs at its speeds' sum when a TP balancer evens
+    it out (`balanced`), else at TP x its slowest; each micro-batch waits in each of its collectives the
+    calm wait plus the latest rank's delay; the replicas get measured DP shares (whole micro-batches by
+    speed: megahet/policy/dp_shares.py), then all meet in the step's own collectives and the optimizer."""
+    ranks = len(m.speeds)
+    if tp < 1 or ranks % tp:
+        raise ValueError(f"TP {tp} does not divide {ranks} ranks")
+    dp = ranks // tp
+    per_mb, per_step = step_collectives(tp, dp, m.layers)
+    groups = [range(g * tp, (g + 1) * tp) for g in range(dp)]
+    mb_work = m.work_s / m.micro_batches
+    mb_s = []
+    for g in groups:
+        speed = sum(m.speeds[r] for r in g) if balanced else tp * min(m.speeds[r] for r in g)
+        mb_s.append(mb_work / speed + per_mb * (m.calm_wait_s + max(m.delays_s[r] for r in g)))
+    if dp == 1:
+        shares = (m.micro_batches,)
+    elif len(set(mb_s)) == 1:
+        shares = tuple(even_shares(m.micro_batches, dp))
+    else:
+        shares = tuple(dp_shares([min(mb_s) / t for t in mb_s], m.micro_batches, healthy_gap=0.0))
+    compute = max(n * t for n, t in zip(shares, mb_s))
+    return compute + per_step * (m.calm_wait_s + max(m.delays_s)) + m.optimizer_s, shares
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutChoice:
+    tp: int
+    dp: int
+    step_s: float
+    shares: tuple[int, ...]
+
+    def describe(self) -> str:
+        shares = f" (shares {'/'.join(map(str, self.shares))})" if self.dp > 1 else ""
+        return f"TP {self.tp} x DP {self.dp}{shares}"
+
+
+def layout_choices(m: Measured, tps: Sequence[int], balanced: bool = True) -> list[LayoutChoice]:
+    """Every TP of `tps` (each dividing the ranks) with its predicted step, fastest first."""
+    out = []
+    for tp in tps:
+        step_s, shares = predict_step_s(m, tp, balanced)
+        out.append(LayoutChoice(tp, len(m.speeds) // tp, step_s, shares))
+    return sorted(out, key=lambda c: (c.step_s, -c.tp))
+
+
+def rank_speeds(
+    tp: int,
+    dp: int,
+    replicas: Sequence[float] | None,
+    groups: Sequence[Sequence[float] | None] | None,
+) -> tuple[float, ...] | None:
+    """Every rank's speed (megatron-core's order, PP 1; the fastest = 1) from what the balancers measured:
+    each replica's speed (the DP balancer's, else all alike) split over its TP ranks by their speeds within
+    the group (the TP balancer's, else alike). None when neither balancer has measured anything."""
+    if replicas is None and (groups is None or all(g is None for g in groups)):
+        return None
+    replicas = list(replicas) if replicas is not None else [1.0] * dp
+    speeds = []
+    for d in range(dp):
+        group = groups[d] if groups is not None and groups[d] is not None else [1.0] * tp
+        speeds += [replicas[d] * s / sum(group) for s in group]
+    fastest = max(speeds)
+    return tuple(s / fastest for s in speeds)

@@ -290,6 +290,10 @@ class BalanceController(MeasuringHook):
         self.load_state_dict(state)
         self.resize.set_targets(self.targets)
 
+    def group_speeds(self, dp: int) -> list[float] | None:
+        """Replica `dp`'s TP ranks' estimated speeds (the fastest = 1), None before the estimator is ready."""
+        return self._speeds(dp)
+
     def _speeds(self, dp: int) -> list[float] | None:
         estimator = self.estimators[dp]
         return estimator.speeds() if estimator.ready else None

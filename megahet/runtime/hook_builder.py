@@ -15,8 +15,10 @@ The order, and why:
 5. `DeviceStepHook` (device.profile): the virtual device's step;
 6. `PackingController` (data.packing=documents): the cost model's profile and refits, after the step's
    plan is known;
-7. the task's own hooks (`Task.step_hooks`, e.g. the CP placement's speed measurement);
-8. the caller's `extra_hooks` (pretrain's), last: they see what megahet's hooks did.
+7. `EscalationController` (escalate.mode=on): reads the balancers' speeds once they folded the last
+   step in, and may ask for another layout, which ends training after the step;
+8. the task's own hooks (`Task.step_hooks`, e.g. the CP placement's speed measurement);
+9. the caller's `extra_hooks` (pretrain's), last: they see what megahet's hooks did.
 
 Set-up that goes with the hooks happens here too: the transformer layers' compute is timed when a
 balancer reads it, a virtual device is attached to the Trainer's clock, and the plan's starting shares
@@ -28,11 +30,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from megahet.parallel import mesh_coords
+from megahet.policy.escalation import rank_speeds
 from megahet.policy.speed_profile import parse_collective_delays, parse_profile
 from megahet.run_plan import RunPlan
 from megahet.runtime.balancer import BalanceController
 from megahet.runtime.devices import DeviceStepHook, VirtualDevice, attach_virtual_device
 from megahet.runtime.dp_balancer import DataParallelBalancer
+from megahet.runtime.escalation import EscalationController
 from megahet.runtime.hooks import StepHook
 from megahet.runtime.packing import PackingController
 from megahet.runtime.pp_balancer import PipelineBalancer
@@ -51,6 +55,20 @@ def _virtual_device(plan: RunPlan, trainer) -> StepHook:
     device = VirtualDevice(profile, index, width, cfg.device.rate_gflops, collective_delay_s=delay)
     attach_virtual_device(trainer.task.model, device, trainer.clock)  # it pays before each timed collective
     return DeviceStepHook(device)
+
+
+def _escalation(plan: RunPlan, trainer, balancer, dp_balancer) -> StepHook:
+    layout = trainer.layout
+
+    def speeds() -> tuple[float, ...] | None:
+        replicas = dp_balancer.replica_speeds() if dp_balancer is not None else None
+        groups = [balancer.group_speeds(d) for d in range(layout.dp_size)] if balancer is not None else None
+        return rank_speeds(layout.tp_size, layout.dp_size, replicas, groups)
+
+    home_tp = (plan.home_cfg or plan.cfg).parallel.tp
+    return EscalationController(
+        plan.cfg, layout, trainer, plan.escalation_tps, home_tp, speeds, trainer.logger.print
+    )
 
 
 def _rank_coords(trainer) -> list:
@@ -96,7 +114,8 @@ def build_step_hooks(
         time_layers(model, trainer.clock)
     for hook in trainer.task.step_hooks:
         hook.ctx = trainer
-    ordered = [pp_balancer, dp_balancer, balancer, resizer, device, packing]
+    escalation = _escalation(plan, trainer, balancer, dp_balancer) if cfg.escalate.active else None
+    ordered = [pp_balancer, dp_balancer, balancer, resizer, device, packing, escalation]
     hooks = [hook for hook in ordered if hook is not None] + [*trainer.task.step_hooks, *extra_hooks]
     trainer.step_hooks = hooks
     if plan.replica_speeds is not None:  # packed documents are planned by cost over speed every step

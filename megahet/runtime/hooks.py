@@ -71,6 +71,10 @@ class StepHook:
     """Whether the state does not depend on the layers per pipeline stage: a re-split then carries it to
     the rebuilt Trainer's hook of the same type (megahet/runtime/resplit.py)."""
 
+    layout_free: bool = False
+    """Whether the state does not depend on the TP x DP layout: an escalation's move carries it to the
+    rebuilt Trainer's hook of the same type (megahet/runtime/relayout.py)."""
+
     def before_forward_backward(self, step: int) -> None:
         """Before the schedule runs step `step` (0-based): apply a new plan here."""
 
@@ -107,12 +111,16 @@ class StepHook:
 
     def carry(self, state: dict) -> None:
         """Take the `state_dict()` of the replaced Trainer's hook of this type (a re-split rebuilt the
-        stages; only `split_free` hooks are carried)."""
+        stages, or a move the layout; only `split_free`, respectively `layout_free`, hooks are carried)."""
         self.load_state_dict(state)
 
     def resplit_done(self, cost) -> None:
         """A re-split rebuilt the stages and this hook with them; `cost` is what it measured
         (megahet/runtime/resplit.py ResplitCost)."""
+
+    def relayout_done(self, cost) -> None:
+        """An escalation's move rebuilt the Trainer in another layout, and this hook with it; `cost` is what
+        the move measured (megahet/runtime/resplit.py ResplitCost)."""
 
 
 class MeasuringHook(StepHook):

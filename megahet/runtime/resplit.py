@@ -98,20 +98,27 @@ def live_params(model: torch.nn.Module, layout, split, gated: bool, tied: bool) 
     return unsharded_params(stages, layout.tp_size, split, gated, tied)
 
 
-def resplit(trainer, rebuild: Callable[[RunPlan, checkpoint.Restore, int], object]):
-    """Re-split `trainer`'s stages to `trainer.pending_split` (all ranks call it after the same step);
-    returns the Trainer for the new split (`rebuild`: from the new plan), at the same step, to train on."""
-    plan, layout, logger, engine = trainer.plan, trainer.layout, trainer.logger, trainer.engine
-    cfg, old_split, step = plan.cfg, plan.split, trainer.iteration
-    new_plan = plan.with_split(trainer.pending_split)
+def move_state(
+    trainer,
+    new_plan: RunPlan,
+    rebuild: Callable[[RunPlan, checkpoint.Restore, int], object],
+    carried: Callable[[object], bool],
+    regroup: Callable[[], None] | None = None,
+):
+    """Move `trainer`'s weights and optimizer state, rank to rank, to `new_plan`'s layout (another split, or
+    with `regroup` another TP x PP x DP: it rebuilds the process groups once the old engine is freed) and
+    rebuild; the hooks `carried` picks hand their state to the new Trainer's of the same type. Returns
+    (the new Trainer, the measured ResplitCost, the reshard plan). All ranks call it after the same step."""
+    plan, layout, engine = trainer.plan, trainer.layout, trainer.engine
+    cfg = plan.cfg
     dist.barrier()  # ranks leave the step at different times: the move's cost starts when all are here
     t0 = time.perf_counter()
     model = engine.module
     m = cfg.model
     tied = not m.untie_embeddings_and_output_weights
-    params = live_params(model, layout, old_split, gated=m.activation == "swiglu", tied=tied)
-    old = Layout(layout.tp_size, layout.pp_size, layout.dp_size, tuple(old_split), tied=tied)
-    new = dataclasses.replace(old, split=tuple(new_plan.split))
+    params = live_params(model, layout, plan.split, gated=m.activation == "swiglu", tied=tied)
+    old = Layout(layout.tp_size, layout.pp_size, layout.dp_size, tuple(plan.split), tied=tied)
+    new = Layout(new_plan.tp, new_plan.pp, new_plan.dp, tuple(new_plan.split), tied=tied)
     moves = reshard_plan(params, old, new)
     before = rank_holdings(params, old, layout.rank, moves.blocks)
     after = rank_holdings(params, new, layout.rank, moves.blocks)
@@ -129,11 +136,15 @@ def resplit(trainer, rebuild: Callable[[RunPlan, checkpoint.Restore, int], objec
     keep(held, before, after, state, share=True)  # the rest of the stage's state: views of the old engine
     del held, engine, model, inner, weight  # the old engine's last references here: _free releases it
     rng = checkpoint.rng_states()
-    carried = {type(h).__name__: h.state_dict() for h in trainer.step_hooks if h.split_free}
+    kept = {type(h).__name__: h.state_dict() for h in trainer.step_hooks if carried(h)}
     resplits = 1 + max((getattr(h, "resplits", 0) for h in trainer.step_hooks), default=0)
     for hook in trainer.step_hooks:
         hook.close(final=False)
     _free(trainer)
+    if regroup is not None:
+        regroup()
+        # the tensor-parallel streams belong to a TP rank: the new one's, seeded by regroup, stay
+        rng["tracker"] = checkpoint.rng_states()["tracker"]
 
     def restore(new_trainer) -> tuple[checkpoint.Progress, str]:
         e = new_trainer.engine
@@ -142,25 +153,42 @@ def resplit(trainer, rebuild: Callable[[RunPlan, checkpoint.Restore, int], objec
             e.lr_scheduler.load_state_dict(schedule)
         e.global_steps = global_steps
         return progress, (
-            f"moved the layers of stages {old_split} -> {new_plan.split} with their optimizer state "
-            f"(step {progress.iteration}); RNG streams and the balancers' state carry over"
+            f"moved the weights and optimizer state {describe(old)} -> {describe(new)} rank to rank (step "
+            f"{progress.iteration}); RNG streams and the balancers' state carry over"
         )
 
     weights = functools.partial(load_weights, holdings=after, flat=state)
     new_trainer = rebuild(new_plan, checkpoint.Restore(weights, restore), resplits)
     checkpoint.set_rng_states(rng)
     for hook in new_trainer.step_hooks:
-        if hook.split_free and type(hook).__name__ in carried:
-            hook.carry(carried[type(hook).__name__])
-    # Every rank weighs the next re-split against the same cost (the slowest rank's): ranks that decided
+        if carried(hook) and type(hook).__name__ in kept:
+            hook.carry(kept[type(hook).__name__])
+    # Every rank weighs the next move against the same cost (the slowest rank's): ranks that decided
     # differently would wait for each other in the move forever.
     seconds = [t_planned - t0, t_moved - t_planned, time.perf_counter() - t_moved]
     parts = torch.tensor(seconds, dtype=torch.float64, device=device())
     dist.all_reduce(parts, op=dist.ReduceOp.MAX)
     itemsize = {key: dtypes[key].itemsize for key in KEYS}
-    moved = layers_moved(old_split, new_plan.split)
+    moved = layers_moved(plan.split, new_plan.split) if new_plan.pp == plan.pp else 0
     cost = ResplitCost(float(parts[0]), float(parts[1]), float(parts[2]), moves.bytes_moved(itemsize), moved)
     new_trainer.last_resplit = cost
+    return new_trainer, cost, moves
+
+
+def describe(layout: Layout) -> str:
+    """'TP 2 x PP 1 x DP 1', with the layers per stage when PP > 1."""
+    split = f" (layers {list(layout.split)})" if layout.pp > 1 else ""
+    return f"TP {layout.tp} x PP {layout.pp}{split} x DP {layout.dp}"
+
+
+def resplit(trainer, rebuild: Callable[[RunPlan, checkpoint.Restore, int], object]):
+    """Re-split `trainer`'s stages to `trainer.pending_split` (all ranks call it after the same step);
+    returns the Trainer for the new split (`rebuild`: from the new plan), at the same step, to train on."""
+    plan, logger, step = trainer.plan, trainer.logger, trainer.iteration
+    old_split = plan.split
+    new_plan = plan.with_split(trainer.pending_split)
+    resplits = 1 + max((getattr(h, "resplits", 0) for h in trainer.step_hooks), default=0)
+    new_trainer, cost, moves = move_state(trainer, new_plan, rebuild, carried=lambda hook: hook.split_free)
     for hook in new_trainer.step_hooks:
         hook.resplit_done(cost)
     logger.print(

@@ -32,7 +32,8 @@ time spent waiting for it), read once after the step: nothing synchronizes per r
         ... one step ...
     with clock.phase("optimizer"):       # own time outside the regions: the optimizer step
         engine.step()
-    times = clock.read()                 # StepTimes(compute_s, wait_s, layers_s, optimizer_s, data_s) (resets)
+    times = clock.read()                 # StepTimes(compute_s, wait_s, layers_s, optimizer_s, data_s,
+                                         # collectives, median_wait_s) (resets)
 
 The TP balancer reads `layers_s` as the compute of the work a plan can move (a rank doing fewer units
 still runs the same embedding, output layer and loss: counting them would make it look slower per unit)
@@ -50,11 +51,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from megahet.compat.collectives import collectives_wrapped
 from megahet.compat.megatron_timers import COMPUTE_REGIONS
@@ -73,6 +76,11 @@ class StepTimes(NamedTuple):
     """Own time in the optimizer step (`phase("optimizer")`: its collectives excluded)."""
     data_s: float = 0.0
     """Time reading micro-batches (`phase("data")`, inside the compute regions: a part of `compute_s`)."""
+    collectives: int = 0
+    """Collectives timed this step, in the regions and the phases (the escalation's per-collective cost)."""
+    median_wait_s: float = 0.0
+    """The median of their waits: a rank's wait per collective that one long wait (a compute imbalance,
+    absorbed by the first collective after it) does not move (megahet/runtime/escalation.py)."""
 
     @property
     def fixed_s(self) -> float:
@@ -210,17 +218,23 @@ class CommClock:
     def read(self) -> StepTimes:
         """The step's times since the last read (then reset); on a GPU reads the events."""
         total = self._seconds(self._regions)
-        waits = self._seconds(self._waits)
+        region_waits = [self.stamps.seconds(a, b) for a, b in self._waits]
+        phase_waits = {
+            name: [self.stamps.seconds(a, b) for a, b in w] for name, w in self._phase_waits.items()
+        }
+        waits = sum(region_waits)
         layers = self._seconds(self._layers) - self._seconds(self._layer_waits)
         own = {
-            name: max(self._seconds(spans) - self._seconds(self._phase_waits.get(name, [])), 0.0)
+            name: max(self._seconds(spans) - sum(phase_waits.get(name, [])), 0.0)
             for name, spans in self._phases.items()
         }
+        every = region_waits + [w for name in phase_waits for w in phase_waits[name]]
         self._regions, self._waits, self._layers, self._layer_waits = [], [], [], []
         self._phases, self._phase_waits = {}, {}
         return StepTimes(
-            max(total - waits, 0.0), waits, max(layers, 0.0), own.get("optimizer", 0.0), own.get("data", 0.0)
-        )
+            max(total - waits, 0.0), waits, max(layers, 0.0), own.get("optimizer", 0.0), own.get("data", 0.0),
+            len(every), statistics.median(every) if every else 0.0,
+        )  # fmt: skip
 
     def _seconds(self, intervals: list[tuple]) -> float:
         return sum(self.stamps.seconds(a, b) for a, b in intervals)
@@ -264,6 +278,16 @@ class _Blocked:
         c.blocked_host_s += time.perf_counter() - self.host0
 
 
+def _alone(args: tuple, kwargs: dict) -> bool:
+    """The collective's group is this rank alone (megatron-core's vocabulary-parallel cross-entropy at TP 1, a
+    gradient norm over a model-parallel group of one): it waits for no peer, so it is neither timed nor
+    counted, and a virtual device is not late to it."""
+    group = kwargs.get("group")
+    if group is None:
+        group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+    return group is not None and group.size() == 1
+
+
 def _wrap(fn):
     # eager under torch.compile (--train.compile): a collective is a graph break anyway, and traced, the
     # clock's interval lists would be guards that change with every collective (recompiles)
@@ -271,7 +295,7 @@ def _wrap(fn):
     @functools.wraps(fn)
     def collective(*args, **kwargs):
         clock = CommClock._active
-        if clock is None:
+        if clock is None or _alone(args, kwargs):
             return fn(*args, **kwargs)
         with clock.blocked():
             out = fn(*args, **kwargs)

@@ -48,8 +48,10 @@ def test_compute_is_regions_minus_waits_inside_them():
     with clock.blocked(), clock.blocked():  # a collective calling another is timed once
         stamps.t += 1.0
     timers("backward-compute").stop()
-    assert clock.read()[:3] == (3.25, 1.5, 0.0)
-    assert clock.read() == (0.0, 0.0, 0.0, 0.0, 0.0)  # read resets
+    times = clock.read()
+    assert times[:3] == (3.25, 1.5, 0.0)
+    assert (times.collectives, times.median_wait_s) == (2, 0.75)  # the nested one counted once
+    assert clock.read() == (0.0, 0.0, 0.0, 0.0, 0.0, 0, 0.0)  # read resets
 
 
 def test_phases_time_the_fixed_work_minus_their_collectives_without_paying_virtual_delays():
@@ -73,10 +75,10 @@ def test_phases_time_the_fixed_work_minus_their_collectives_without_paying_virtu
         with clock.phase("data"):  # phases do not nest: not timed
             stamps.t += 0.125
     times = clock.read()
-    assert times == (1.25, 0.0, 0.0, 0.625, 0.25)
+    assert times == (1.25, 0.0, 0.0, 0.625, 0.25, 1, 2.0)  # a phase's collective is counted too
     assert times.fixed_s == 1.25 + 0.625  # no layers timed: all own compute plus the optimizer
     assert paid == []  # a collective in a phase pays no emulated delay
-    assert clock.read() == (0.0, 0.0, 0.0, 0.0, 0.0)
+    assert clock.read() == (0.0, 0.0, 0.0, 0.0, 0.0, 0, 0.0)
 
 
 def test_layer_compute_excludes_what_is_outside_layers_and_their_waits():
@@ -252,3 +254,22 @@ def test_the_one_interval_covers_every_layer_forward_and_backward(world1):
     clock.close_region()
     _, _, layers_s, *_ = clock.read()
     assert layers_s >= 0.065  # 0.07 slept inside; one layer at a time counted only 0.04 of it
+
+
+def test_a_collective_over_a_group_of_one_is_not_timed_nor_counted_nor_delayed(world1):
+    """megatron-core's cross-entropy all-reduces over the TP group even at TP 1: a collective that waits for
+    no peer is no collective to the escalation's count (issue 46), and a late virtual device is not late to it."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    clock = CommClock()
+    delays = []
+    clock.on_collective.append(lambda: delays.append(1))
+    x = torch.ones(3)
+    with clock.installed():
+        clock.open_region()
+        dist.all_reduce(x, group=ps.get_tensor_model_parallel_group())  # a group of one: not timed
+        dist.all_reduce(x)  # the default group: timed (here of one rank too, as a stand-in for the world)
+        clock.close_region()
+    times = clock.read()
+    assert (times.collectives, len(delays)) == (1, 1)

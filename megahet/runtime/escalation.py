@@ -1,0 +1,187 @@
+"""The escalation in the training loop: measure the per-collective cost of a straggler, predict the other
+TP x DP layouts, decide with the escalation ladder, ask for the move (issue 46).
+
+Role: runtime (the step hook of `escalate.mode=on`; the ladder and the prediction are pure,
+megahet/policy/escalation.py; the move is megahet/runtime/relayout.py).
+
+After every step each rank contributes its own compute in the forward and backward, the median of its
+waits per collective, its collectives and its optimizer step (megahet/runtime/timing.py), and the step's
+time, gathered over the world by an asynchronous all-gather that completes while the step finishes. At the
+start of the next step every rank folds the same rows in, so every rank decides the same:
+
+- a rank's delay per collective: its TP group's other ranks' median wait less its own (at TP 1 the other
+  replicas'), never below 0; a time-sliced rank arrives late to each collective and its peers wait;
+- its compute: its own time in the forward and backward less its collectives times its delay (a late
+  rank's lateness is time it did not run), and no less than the quickest rank's;
+- the calm wait: the smallest rank's median wait (the last to arrive waits only for the transfer);
+- the speeds: the balancers' measured ones (`rank_speeds`: the DP balancer's per replica, the TP balancer's
+  within a group), else each rank's compute against the others' (equal work);
+- the medians over `escalate.window` steps (a process's first step, a warm-up, is left out).
+
+With them `layout_choices` predicts every TP x DP layout of the world, and `EscalationLadder` decides: a
+straggler (slower than `balance.healthy_gap`, or later than `escalate.delay_floor_ms` to each collective)
+flagged `escalate.patience` steps in a row, and the best other layout's predicted saving over
+`escalate.horizon` steps above the move's cost (the last move's, measured; before one, the build at start):
+move. On the moved-to layout, the straggler gone as long and the way back paying the same way: return.
+Every decision is logged (metrics `escalate_inside_s`, `escalate_other_s`, `escalate_predicted_s`,
+`escalate_delay_ms`, `escalate_collectives`: a rank's collectives per step), and printed whenever it or its reason changes:
+
+    escalation step 9: move (the straggler persists; gain over the horizon 41.3 s, move 1.9 s): TP 2 x DP 1
+    0.612 s a step (predicted 0.598), TP 1 x DP 2 (shares 2/2) predicted 0.201, delay 3.02 ms, speeds 1.00 0.98
+
+The ladder's state (on which layout, the streaks) and the last move's cost cross the move (`layout_free`).
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from megahet.config import MegahetConfig
+from megahet.parallel import ParallelLayout
+from megahet.policy.detector import MedianWindow
+from megahet.policy.escalation import Decision, EscalationLadder, Measured, Observation, layout_choices
+from megahet.runtime.hooks import MeasuringHook, StepContext
+
+
+class EscalationController(MeasuringHook):
+    layout_free = True  # the ladder's state and the last move's cost cross the move
+
+    def __init__(
+        self,
+        cfg: MegahetConfig,
+        layout: ParallelLayout,
+        ctx: StepContext,
+        tps: tuple[int, ...],
+        home_tp: int,
+        speeds: Callable[[], tuple[float, ...] | None],
+        log: Callable[[str], None],
+    ):
+        e = cfg.escalate
+        self.cfg, self.layout, self.ctx, self.tps, self.home_tp = e, layout, ctx, tps, home_tp
+        self.speeds, self.log = speeds, log
+        self.balanced = cfg.balance.plans
+        self.healthy_gap = cfg.balance.healthy_gap
+        self.train_iters = cfg.train.train_iters
+        self.micro_batches = cfg.train.global_batch_size // cfg.train.micro_batch_size
+        self.layers = cfg.model.num_layers
+        self.ladder = EscalationLadder(e.patience, e.horizon, e.min_gain)
+        n = layout.world_size
+        windows = (MedianWindow(n, e.window) for _ in range(5))
+        self.compute, self.waits, self.delays, self.optimizer, self.collectives = windows
+        self.steps = collections.deque(maxlen=e.window)
+        self.move_s: float | None = None
+        """The last move's measured cost (None before one: the build at start stands in)."""
+        self.warm = self.closing = False
+        self.printed: tuple[str, str] | None = None
+        self.last: dict[str, float] = {}
+
+    def after_step(self, engine) -> None:
+        t = self.ctx.times
+        step_s = time.perf_counter() - self.ctx.step_t0
+        mine = [t.compute_s, t.median_wait_s, float(t.collectives), t.optimizer_s, step_s]
+        self._gather(torch.tensor(mine, dtype=torch.float64))
+
+    def before_forward_backward(self, step: int) -> None:
+        self._collect()
+        self.step = step
+
+    def _collect(self) -> None:
+        taken = self._take()
+        if taken is None:
+            return
+        rows, step, _ = taken
+        if not self.warm:  # a process's first step (allocations, first collectives) is not a sample
+            self.warm = True
+            return
+        compute, waits, count, optimizer, step_s = ([r[i] for r in rows] for i in range(5))
+        self.compute.update(compute)
+        self.waits.update(waits)
+        self.delays.update(self._delays(waits))
+        self.optimizer.update(optimizer)
+        self.steps.append(max(step_s))
+        self.collectives.update(count)
+        if len(self.steps) == self.steps.maxlen and not self.closing:
+            self._decide(step)
+
+    def close(self, final: bool = True) -> None:
+        self.closing = True  # the last step is folded in, not decided on
+        super().close(final)
+
+    def _delays(self, waits: list[float]) -> list[float]:
+        """Each rank's delay per collective this step: its peers' mean wait less its own, >= 0."""
+        tp, n = self.layout.tp_size, len(waits)
+        out = []
+        for r in range(n):
+            group = range(r - r % tp, r - r % tp + tp) if tp > 1 else range(n)
+            peers = [waits[p] for p in group if p != r]
+            out.append(max(statistics.fmean(peers) - waits[r], 0.0))
+        return out
+
+    def measured(self) -> Measured:
+        delays = self.delays.medians()
+        # A late rank's lateness is in its own time (it was not running): its compute is the rest, and no
+        # less than the quickest rank's (a straggler is not faster; the delay's measure is not exact).
+        raw = self.compute.medians()
+        compute = [max(c - n * d, min(raw)) for c, n, d in zip(raw, self.collectives.medians(), delays)]
+        speeds = self.speeds()
+        if speeds is None:  # no balancer: equal work on every rank, a slower rank computes longer
+            speeds = tuple(min(compute) / c if c > 0 else 1.0 for c in compute)
+        return Measured(
+            speeds=tuple(speeds), compute_s=tuple(compute), delays_s=tuple(delays),
+            calm_wait_s=min(self.waits.medians()), optimizer_s=max(self.optimizer.medians()),
+            micro_batches=self.micro_batches, layers=self.layers,
+        )  # fmt: skip
+
+    def _decide(self, step: int) -> None:
+        m = self.measured()
+        choices = layout_choices(m, self.tps, self.balanced)
+        here = next(c for c in choices if c.tp == self.layout.tp_size)
+        wanted = self.home_tp if self.ladder.moved else None
+        other = next(c for c in choices if c.tp != here.tp and (wanted is None or c.tp == wanted))
+        inside = statistics.median(self.steps)
+        move_s = self.move_s if self.move_s is not None else self.ctx.build_s
+        obs = Observation(
+            step=step, straggler=m.straggler(self.healthy_gap, self.cfg.delay_floor_ms / 1e3),
+            inside_s=inside, other_s=other.step_s, move_s=move_s, steps_left=self.train_iters - step - 1,
+        )  # fmt: skip
+        decision = self.ladder.decide(obs)
+        self.last = {
+            "escalate_inside_s": inside,
+            "escalate_predicted_s": here.step_s,
+            "escalate_other_s": other.step_s,
+            "escalate_delay_ms": max(m.delays_s) * 1e3,
+            "escalate_collectives": max(self.collectives.medians()),
+        }
+        if (decision.action, decision.reason) != self.printed or decision.action != "stay":
+            self.printed = (decision.action, decision.reason)
+            self.log(_line(decision, here, other, inside, m))
+        if decision.action != "stay":
+            self.ctx.request_layout(other.tp)
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self.last)
+
+    def relayout_done(self, cost) -> None:
+        self.move_s = cost.total_s
+
+    def state_dict(self) -> dict:
+        ladder = self.ladder
+        return {"moved": ladder.moved, "flagged": ladder.flagged, "calm": ladder.calm, "move_s": self.move_s}
+
+    def load_state_dict(self, state: dict) -> None:
+        ladder = self.ladder
+        ladder.moved, ladder.flagged, ladder.calm = state["moved"], state["flagged"], state["calm"]
+        self.move_s = state["move_s"]
+
+
+def _line(decision: Decision, here, other, inside: float, m: Measured) -> str:
+    speeds = " ".join(f"{s:.2f}" for s in m.speeds)
+    return (
+        f"{decision.line()}: {here.describe()} {inside:.3f} s a step (predicted {here.step_s:.3f}), "
+        f"{other.describe()} predicted {other.step_s:.3f}, delay {max(m.delays_s) * 1e3:.2f} ms, speeds {speeds}"
+    )

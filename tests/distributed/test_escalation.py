@@ -1,0 +1,97 @@
+"""Escalation end to end (issue 46): a TP 2 job whose rank 1 is late to every collective moves to TP 1 x DP 2
+in place, on the loss curve, and a checkpoint saved after the move resumes at the run's own layout.
+
+Three launches of pretrain_gpt on 2 ranks (about 1 min on 2 cores):
+1. the reference: TP 2, STEPS steps, nothing emulated;
+2. the escalating job: the same with `--escalate.mode on` and rank 1 a virtual device at full speed that is
+   DELAY_MS late to each collective it joins (`device.collective_delay_ms`: a time-sliced rank). TP 2 joins
+   ~125 collectives a step, TP 1 x DP 2 ~9, so the ladder must move once its window and patience are
+   full; it saves at SAVE_STEP (after the move, at TP 1 x DP 2);
+3. the resumed job: the escalating command from that checkpoint (elastic: resharded back to TP 2) to STEPS.
+The decision lines must be printed with their numbers; the losses, gradient norms and LRs must follow the
+reference within fp32 reduction noise (the moved run reduces in another order); the collectives counted
+per step must be the cost model's (`step_collectives`: a megatron-core or DeepSpeed change that adds
+collectives fails here, not silently in the prediction). The benchmark, not this test, checks the speed.
+
+Run: ``python -m pytest tests/distributed/test_escalation.py -q``
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from harness import GPT_MODEL, compare, metrics_job, read_records, short_run, start_from_copy, torchrun
+
+from megahet.policy.escalation import step_collectives
+
+STEPS, SAVE_STEP, DELAY_MS = 16, 12, 3
+COMMON = [*GPT_MODEL, *short_run(STEPS), "--parallel.tp", "2"]
+ESCALATE = [
+    "--escalate.mode", "on",
+    "--escalate.patience", "2",
+    "--escalate.window", "3",
+    "--device.profile", "static:1,1",
+    "--device.collective_delay_ms", f"0,{DELAY_MS}",
+    "--device.rate_gflops", "1000",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, gpt_data: list[str]) -> dict:
+    out = tmp_path_factory.mktemp("escalation")
+    common = [*COMMON, *gpt_data]
+    ref_args, ref = metrics_job(out, "ref", common)
+    torchrun("../../pretrain_gpt.py", 2, ref_args, cwd=out)
+    save = ["--train.save", str(out / "ck"), "--train.save_interval", str(SAVE_STEP)]
+    esc_args, esc = metrics_job(out, "esc", [*common, *ESCALATE, *save])
+    log = torchrun("../../pretrain_gpt.py", 2, esc_args, cwd=out)
+    start_from_copy(out / "ck", out / "ck12", f"iter_{SAVE_STEP:07d}")  # the end saved step STEPS too
+    resumed_args, resumed = metrics_job(
+        out, "resumed", [*common, *ESCALATE, "--train.load", str(out / "ck12")]
+    )
+    resumed_log = torchrun("../../pretrain_gpt.py", 2, resumed_args, cwd=out)
+    return {"ref": read_records(ref), "esc": read_records(esc), "resumed": read_records(resumed),
+            "log": log, "resumed_log": resumed_log}  # fmt: skip
+
+
+def _moved_after(log: str) -> int:
+    moved = re.findall(r"moved TP 2 x PP 1 x DP 1 -> TP 1 x PP 1 x DP 2 after step (\d+)", log)
+    assert len(moved) == 1, log[-4000:]
+    return int(moved[0])
+
+
+def test_a_late_tp_rank_moves_the_job_to_dp_on_the_loss_curve(runs: dict) -> None:
+    log = runs["log"]
+    step = _moved_after(log)
+    assert step < SAVE_STEP, log[-4000:]
+    decisions = re.findall(r"escalation step \d+: (stay|move|return) \(([^)]*)\).*", log)
+    assert ("move", "the straggler persists") in [(a, r.split(";")[0]) for a, r in decisions], log[-4000:]
+    assert not any(action == "return" for action, _ in decisions), log[-4000:]
+    assert re.search(r"escalation step \d+: move .*TP 1 x DP 2 .*predicted [\d.]+, delay [\d.]+ ms", log)
+    assert "megahet gpt: world 2 = TP 1 x PP 1 x DP 2" in log
+    ref, esc = runs["ref"], runs["esc"]
+    for key in ("loss", "grad_norm", "lr"):
+        steps = range(1, STEPS + 1)
+        actual = torch.tensor([esc[s][key] for s in steps], dtype=torch.float64)
+        expected = torch.tensor([ref[s][key] for s in steps], dtype=torch.float64)
+        compare("escalation", f"{key}, steps 1..{STEPS}, moved after {step}", actual, expected, rtol=1e-5)
+    # the collectives a rank joins per step are the cost model's, on both layouts
+    micro_batches = 8 // 2
+    for s, tp in ((step, 2), (STEPS, 1)):
+        per_mb, per_step = step_collectives(tp, 2 // tp, layers=4)
+        assert esc[s]["escalate_collectives_max"] == per_mb * micro_batches + per_step, (s, tp, esc[s])
+
+
+def test_a_checkpoint_saved_after_the_move_resumes_at_the_runs_own_layout(runs: dict) -> None:
+    log = runs["resumed_log"]
+    assert "megahet gpt: world 2 = TP 2 x PP 1 x DP 1" in log, log[-4000:]
+    assert "read its own slices of" in log, log[-4000:]
+    esc, resumed = runs["esc"], runs["resumed"]
+    after = range(SAVE_STEP + 1, STEPS + 1)
+    assert sorted(s for s in resumed if "loss" in resumed[s]) == list(after)
+    for key in ("loss", "grad_norm", "lr"):
+        actual = torch.tensor([resumed[s][key] for s in after], dtype=torch.float64)
+        expected = torch.tensor([esc[s][key] for s in after], dtype=torch.float64)
+        compare("escalation_resume", f"{key}, steps {SAVE_STEP + 1}..{STEPS}", actual, expected, rtol=1e-5)

@@ -6,9 +6,9 @@ the per-collective delay, asks the layout planner and moves is issue 46's next s
 
 A time-sliced rank (another tenant on its core or GPU) is slow per collective, not per FLOP: it adds its
 scheduling delay to every collective it joins. No split of the work inside a TP group takes that back, and
-TP joins ~80 collectives a step; a DP replica joins one gradient reduction a step, a pipeline stage its
-sends. `layout_step_s` is that cost model: a layout's step is its balanced compute plus its collectives
-times the slow rank's measured delay per collective (`collective_delay_s`: its waits against calm).
+TP joins ~120 collectives a step (4 layers, 4 micro-batches); a DP replica joins 3 in the optimizer step.
+`predict_step_s` is that cost model: a layout's step is its compute balanced by speed plus its collectives
+times the calm wait and the latest rank's measured delay per collective.
 
 Each step the runtime hands the ladder an `Observation`: whether a straggler is flagged, the step the
 inside-layout plan reaches (SEMI, DP shares, a re-split), the best other layout's predicted step, and the
@@ -42,7 +42,6 @@ count), each at the calm wait plus the delay of the latest rank it waits for.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from collections.abc import Sequence
 from typing import Literal
 
@@ -57,26 +56,6 @@ TP_STEP_COLLECTIVES = 2
 """Per step in the optimizer step with TP > 1 (the gradient norm over the model-parallel group)."""
 DP_STEP_COLLECTIVES = 3
 """Per step in the optimizer step with DP > 1 (ZeRO-1's gradient reduction and parameter gather, the norm)."""
-
-
-def collective_delay_s(slow_waits_s: Sequence[float], calm_waits_s: Sequence[float]) -> float:
-    """The slow rank's delay per collective: the median of its peers' waits per collective while it is slow,
-    less their median while calm (never below 0). Waits are seconds per collective, one per sample."""
-    if not slow_waits_s or not calm_waits_s:
-        raise ValueError("collective_delay_s needs waits measured both while slow and while calm")
-    return max(statistics.median(slow_waits_s) - statistics.median(calm_waits_s), 0.0)
-
-
-def layout_step_s(work_s: float, speeds: Sequence[float], collectives: int, delay_s: float) -> float:
-    """A layout's predicted step: `work_s` (seconds of the step's work at speed 1 on one rank) split by speed
-    over ranks of these `speeds` (the inside-layout balancers' best), plus `collectives` a step that each
-    wait `delay_s` for the time-sliced rank (TP: every layer's; DP: the gradient reduction; PP: the sends)."""
-    if work_s < 0 or collectives < 0 or delay_s < 0 or not speeds or min(speeds) <= 0:
-        raise ValueError(
-            f"layout_step_s: work {work_s}, collectives {collectives} and delay {delay_s} must be >= 0 and "
-            f"speeds {list(speeds)} positive"
-        )
-    return work_s / sum(speeds) + collectives * delay_s
 
 
 @dataclasses.dataclass(frozen=True)

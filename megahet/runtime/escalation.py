@@ -146,7 +146,7 @@ class EscalationController(MeasuringHook):
         inside = statistics.median(self.steps)
         move_s = self.move_s if self.move_s is not None else self.ctx.build_s
         obs = Observation(
-            step=step, straggler=m.straggler(self.healthy_gap, self.cfg.delay_floor_ms / 1e3),
+            step=step + 1, straggler=m.straggler(self.healthy_gap, self.cfg.delay_floor_ms / 1e3),
             inside_s=inside, other_s=other.step_s, move_s=move_s, steps_left=self.train_iters - step - 1,
         )  # fmt: skip
         decision = self.ladder.decide(obs)

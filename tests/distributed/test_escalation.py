@@ -8,6 +8,11 @@ Three launches of pretrain_gpt on 2 ranks (about 1 min on 2 cores):
    ~125 collectives a step, TP 1 x DP 2 ~9, so the ladder must move once its window and patience are
    full; it saves at SAVE_STEP (after the move, at TP 1 x DP 2);
 3. the resumed job: the escalating command from that checkpoint (elastic: resharded back to TP 2) to STEPS.
+And a kill during the move (two launches of workers/ckpt_train.py, about 1 min): the escalating job from its
+step-4 checkpoint under `torchrun --max-restarts 1`, saving every 4 steps; rank 1 SIGKILLs itself when the
+move's state exchange starts (the old engine's state half sent); torchrun restarts both ranks, which resume
+from their last complete checkpoint (step 8, at TP 2: the move wrote nothing), escalate again and finish,
+on the uninterrupted escalating run's loss curve.
 The decision lines must be printed with their numbers; the losses, gradient norms and LRs must follow the
 reference within fp32 reduction noise (the moved run reduces in another order); the collectives counted
 per step must be the cost model's (`step_collectives`: a megatron-core or DeepSpeed change that adds
@@ -19,11 +24,22 @@ Run: ``python -m pytest tests/distributed/test_escalation.py -q``
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
-from harness import GPT_MODEL, compare, metrics_job, read_records, short_run, start_from_copy, torchrun
+from harness import (
+    GPT_MODEL,
+    compare,
+    launch,
+    metrics_job,
+    read_records,
+    short_run,
+    start_from_copy,
+    torchrun,
+)
 
+from megahet.launch import torchrun_cmd
 from megahet.policy.escalation import step_collectives
 
 STEPS, SAVE_STEP, DELAY_MS = 16, 12, 3
@@ -56,10 +72,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory, gpt_data: list[str]) -> dict:
             "log": log, "resumed_log": resumed_log}  # fmt: skip
 
 
-def _moved_after(log: str) -> int:
+def _moved_after(log: str, times: int = 1) -> int:
     moved = re.findall(r"moved TP 2 x PP 1 x DP 1 -> TP 1 x PP 1 x DP 2 after step (\d+)", log)
-    assert len(moved) == 1, log[-4000:]
-    return int(moved[0])
+    assert len(moved) == times, log[-4000:]
+    return int(moved[-1])
 
 
 def test_a_late_tp_rank_moves_the_job_to_dp_on_the_loss_curve(runs: dict) -> None:
@@ -95,3 +111,35 @@ def test_a_checkpoint_saved_after_the_move_resumes_at_the_runs_own_layout(runs: 
         actual = torch.tensor([resumed[s][key] for s in after], dtype=torch.float64)
         expected = torch.tensor([esc[s][key] for s in after], dtype=torch.float64)
         compare("escalation_resume", f"{key}, steps {SAVE_STEP + 1}..{STEPS}", actual, expected, rtol=1e-5)
+
+
+def test_a_kill_during_the_move_resumes_from_the_last_complete_checkpoint(
+    tmp_path: Path, gpt_data: list[str]
+) -> None:
+    common = ["--", *COMMON, *gpt_data, *ESCALATE, "--train.save_interval", "4"]
+
+    def job(name: str, load: bool) -> list[str]:
+        extra = f"--logging.metrics_file {tmp_path / (name + '.jsonl')} --train.save {tmp_path / name}"
+        return ["--job", f"{name}={extra}" + (f" --train.load {tmp_path / name}" if load else "")]
+
+    torchrun("workers/ckpt_train.py", 2, ["--out", str(tmp_path), *job("full", False), *common], cwd=tmp_path)
+    start_from_copy(tmp_path / "full", tmp_path / "ck")
+    log = launch(
+        lambda port: [[*torchrun_cmd(2, port), "--max_restarts=1", "--monitor_interval=0.5"]],
+        "workers/ckpt_train.py", 2, ["--out", str(tmp_path), "--fault", "ck:move:1", *job("ck", True), *common],
+        cwd=tmp_path,
+    )[0]  # fmt: skip
+    assert "-9" in log and "(step 8)" in log, log[-4000:]  # rank 1 died of SIGKILL; both resumed at step 8
+    _moved_after(log, times=1)  # the killed move printed nothing; the restarted job's did
+    moves = re.findall(r"escalation step (\d+): move", log)
+    assert len(moves) == 2 and int(moves[0]) > 8, moves  # killed in the first, after step 8 was saved
+    lines = (tmp_path / "ck.jsonl").read_text().splitlines()
+    rerun = int(moves[0]) + 1  # decided on step N, moving after N + 1: logged before the kill and after
+    assert sum(f'"step": {rerun},' in line and '"loss"' in line for line in lines) == 2
+    full, ck = read_records(tmp_path / "full.jsonl"), read_records(tmp_path / "ck.jsonl")
+    assert max(ck) == STEPS
+    after = range(9, STEPS + 1)
+    for key in ("loss", "grad_norm", "lr"):
+        actual = torch.tensor([ck[s][key] for s in after], dtype=torch.float64)
+        expected = torch.tensor([full[s][key] for s in after], dtype=torch.float64)
+        compare("escalation_kill", f"{key}, steps 9..{STEPS}", actual, expected, rtol=1e-5)

@@ -273,3 +273,20 @@ def test_a_bad_dynamic_cp_placement_gets_a_one_line_error(overrides: dict, needl
 @pytest.mark.parametrize("speeds", ["1,0.5", "measured"])
 def test_a_dynamic_cp_placement_by_declared_or_measured_speeds_validates(speeds: str) -> None:
     assert validate(_cfg(**{**PLACED, "parallel.cp_speeds": speeds}), 4) == 2
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("escalate.patience", 0), ("escalate.horizon", 0), ("escalate.window", 0), ("escalate.min_gain", 1.0),
+     ("escalate.delay_floor_ms", -1.0)],
+)  # fmt: skip
+def test_bad_escalation_settings_are_one_line_errors(key: str, value: float) -> None:
+    _invalid(_cfg(**{key: value}), 1, key, str(value))
+
+
+def test_escalation_needs_ranks_and_a_layout_it_can_move() -> None:
+    on = {"escalate.mode": "on"}
+    _invalid(_cfg(**on), 1, "escalate.mode=on", "2 or more")
+    _invalid(_cfg(**on, **{"parallel.pp": 2}), 2, "escalate.mode=on", "parallel.pp=1")
+    _invalid(_cfg(**on, **{"parallel.zero_stage": 2}), 2, "escalate.mode=on", "parallel.zero_stage=1")
+    assert validate(_cfg(**on, **{"parallel.tp": 2}), 2) == 1

@@ -1,5 +1,6 @@
 """The escalation ladder (megahet/policy/escalation.py, issue 46), pure: the per-collective cost model of a
-time-sliced rank, and the ladder's decisions: a gap the inside-layout plan closes does not escalate; a
+time-sliced rank (the collectives each layout joins, the predicted step of each TP x DP layout, the shares a
+slower replica gets, the speeds per rank from the balancers'), and the ladder's decisions: a gap the inside-layout plan closes does not escalate; a
 per-collective slowness it cannot close escalates when it pays; a short episode or one that does not pay
 never moves; the way back waits as long; hysteresis; every decision carries its numbers; bad settings get
 one-line errors.
@@ -13,27 +14,67 @@ import pytest
 
 from megahet.policy.escalation import (
     EscalationLadder,
+    Measured,
     Observation,
-    collective_delay_s,
-    layout_step_s,
+    layout_choices,
+    predict_step_s,
+    rank_speeds,
+    step_collectives,
 )
 
-TP_COLLECTIVES, DP_COLLECTIVES = (
-    80,
-    1,
-)  # collectives a step: TP joins ~80 (issue 31), DP one gradient reduction
+
+def _measured(**changes) -> Measured:
+    """Two ranks of 4 layers, 4 micro-batches a step: 0.1 s of compute each, rank 1 2 ms late to each
+    collective, a calm collective 0.3 ms, the optimizer 10 ms."""
+    base = {"speeds": (1.0, 1.0), "compute_s": (0.1, 0.1), "delays_s": (0.0, 0.002), "calm_wait_s": 0.0003,
+            "optimizer_s": 0.01, "micro_batches": 4, "layers": 4}  # fmt: skip
+    return Measured(**{**base, **changes})
 
 
-def test_a_time_sliced_rank_costs_tp_per_collective_and_dp_once():
-    delay = collective_delay_s([0.0031, 0.0029, 0.0040], [0.0011, 0.0010, 0.0009])
-    assert delay == pytest.approx(0.0021)  # medians 3.1 ms and 1.0 ms
-    speeds = (1.0, 0.5)
-    tp = layout_step_s(1.0, speeds, TP_COLLECTIVES, delay)
-    dp = layout_step_s(1.0, speeds, DP_COLLECTIVES, delay)
-    assert tp == pytest.approx(1 / 1.5 + 80 * 0.0021) and dp == pytest.approx(1 / 1.5 + 0.0021)
-    assert collective_delay_s([0.001], [0.002]) == 0.0  # never negative
-    with pytest.raises(ValueError, match="speeds"):
-        layout_step_s(1.0, (1.0, 0.0), 1, 0.0)
+def test_the_collectives_a_layout_joins_are_the_ones_counted():
+    assert step_collectives(tp=2, dp=1, layers=4) == (30, 2)  # 6 a layer + 6 a micro-batch; the grad norm
+    assert step_collectives(tp=1, dp=2, layers=4) == (0, 3)  # ZeRO-1's reduction, gather and norm
+    assert step_collectives(tp=2, dp=2, layers=8) == (54, 5)
+
+
+def test_a_time_sliced_rank_costs_tp_every_collective_and_dp_three():
+    m = _measured()
+    tp, shares_tp = predict_step_s(m, tp=2)
+    dp, shares_dp = predict_step_s(m, tp=1)
+    late = 0.0003 + 0.002
+    assert tp == pytest.approx(4 * (0.2 / 4 / 2 + 30 * late) + 2 * late + 0.01) and shares_tp == (4,)
+    assert dp == pytest.approx(2 * 0.05 + 3 * late + 0.01) and shares_dp == (2, 2)
+    best, other = layout_choices(m, (1, 2))
+    assert (best.tp, best.dp, other.tp) == (1, 2, 2) and best.describe() == "TP 1 x DP 2 (shares 2/2)"
+
+
+def test_a_slower_replica_gets_fewer_micro_batches_and_an_unbalanced_tp_group_runs_at_its_slowest():
+    m = _measured(speeds=(1.0, 0.5), delays_s=(0.0, 0.0))  # 0.15 s of work at speed 1
+    dp, shares = predict_step_s(m, tp=1)
+    assert shares == (3, 1) and dp == pytest.approx(3 * 0.15 / 4 + 3 * 0.0003 + 0.01)
+    balanced, _ = predict_step_s(m, tp=2)
+    unbalanced, _ = predict_step_s(m, tp=2, balanced=False)
+    per_mb = 30 * 0.0003
+    assert balanced == pytest.approx(4 * (0.15 / 4 / 1.5 + per_mb) + 2 * 0.0003 + 0.01)
+    assert unbalanced == pytest.approx(4 * (0.15 / 4 / 1.0 + per_mb) + 2 * 0.0003 + 0.01)
+    with pytest.raises(ValueError, match="TP 3 does not divide 2 ranks"):
+        predict_step_s(m, tp=3)
+
+
+def test_a_straggler_is_slow_or_late():
+    assert not _measured(delays_s=(0.0, 0.0001)).straggler(healthy_gap=0.05, delay_floor_s=0.0005)
+    assert _measured(delays_s=(0.0, 0.001)).straggler(healthy_gap=0.05, delay_floor_s=0.0005)
+    assert _measured(speeds=(1.0, 0.9), delays_s=(0.0, 0.0)).straggler(healthy_gap=0.05, delay_floor_s=0.0005)
+    with pytest.raises(ValueError, match="one positive speed"):
+        _measured(speeds=(1.0,))
+
+
+def test_rank_speeds_split_a_replica_speed_over_its_tp_ranks():
+    speeds = rank_speeds(tp=2, dp=2, replicas=(1.0, 0.5), groups=[[1.0, 0.5], None])
+    assert speeds == pytest.approx((1.0, 0.5, 0.375, 0.375))  # 2/3, 1/3 of 1; 1/2, 1/2 of 0.5
+    assert rank_speeds(tp=2, dp=1, replicas=None, groups=[[0.5, 1.0]]) == pytest.approx((0.5, 1.0))
+    assert rank_speeds(tp=1, dp=2, replicas=(1.0, 0.25), groups=None) == pytest.approx((1.0, 0.25))
+    assert rank_speeds(tp=2, dp=1, replicas=None, groups=[None]) is None  # nothing measured yet
 
 
 def _run(ladder, episodes, inside=1.3, other=0.9, move=20.0, steps_left=1000):

@@ -17,6 +17,7 @@ import dataclasses
 import types
 
 import pytest
+from one_line import one_line
 from test_resize_executor import _pretrain_vit
 
 from megahet import run_plan, training
@@ -75,6 +76,28 @@ def test_uneven_declared_replicas_start_from_uneven_shares() -> None:
     )  # fmt: skip
     plan = run_plan.plan_run(cfg, _Spec(), world_size=2)
     assert plan.shares == (8, 2) and plan.split == (cfg.model.num_layers,)
+
+
+def test_an_escalating_run_plans_the_layouts_it_may_move_between() -> None:
+    """escalate.mode=on (issue 46): the TP sizes whose TP x DP layout fits the world; the moved-to plan balances
+    replicas by measured shares and keeps the TP balancer only where there is a TP group; the way back is the
+    run's own configuration; no other layout is a one-line error before any rank starts."""
+    argv = ["--parallel.tp", "2", "--balance.mode", "semi", "--escalate.mode", "on",
+            "--train.global_batch_size", "8", "--train.micro_batch_size", "2"]  # fmt: skip
+    plan = run_plan.plan_run(load_config(argv), _Spec(), world_size=2)
+    assert plan.escalation_tps == (1, 2)
+    moved = plan.with_layout(1)
+    assert (moved.tp, moved.pp, moved.dp, moved.split) == (1, 1, 2, (plan.cfg.model.num_layers,))
+    assert (
+        moved.cfg.hetero.dp_shares == "measured" and moved.cfg.balance.mode == "static" and moved.cfg.frozen
+    )
+    assert moved.shares == (2, 2) and moved.home_cfg is plan.cfg and moved.escalation_tps == (1, 2)
+    back = moved.with_layout(2)
+    assert back.cfg is plan.cfg and (back.tp, back.dp) == (2, 1)  # the run's own configuration, as it was
+    with pytest.raises(ConfigError) as err:  # one micro-batch a step: DP 2 cannot split it
+        run_plan.plan_run(load_config([*argv[:-4], "--train.global_batch_size", "2", "--train.micro_batch_size",
+                                       "2"]), _Spec(), world_size=2)  # fmt: skip
+    one_line(err, "escalate.mode=on", "no other TP x DP layout of 2 ranks")
 
 
 def test_the_plans_config_is_frozen() -> None:

@@ -12,6 +12,7 @@ writes; every other rank gets a logger whose calls do nothing.
 
     logger = TrainingLogger(cfg, layout, run_name="gpt")
     logger.log(step, {"loss": 2.3, "lr": 1e-3, ...})
+    records = read_metrics_file(path)      # a --logging.metrics_file by step (tests, benchmarks)
 """
 
 from __future__ import annotations
@@ -24,6 +25,17 @@ from typing import Any
 
 from megahet.config import MegahetConfig
 from megahet.parallel import ParallelLayout
+
+
+def read_metrics_file(path: Path) -> dict[int, dict[str, Any]]:
+    """A --logging.metrics_file by step: every record of a step merged (a step logged twice, as by a resumed
+    run: its last values)."""
+    records: dict[int, dict[str, Any]] = {}
+    for line in Path(path).read_text().splitlines():
+        record = json.loads(line)
+        records.setdefault(record.pop("step"), {}).update(record)
+    return records
+
 
 # The metrics the console line prints, and how; evaluation results (val_*, test_*) print with 4
 # significant digits; every other metric goes only to W&B, TensorBoard and the metrics file.

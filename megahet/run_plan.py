@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import types
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from megahet.checkpointing import finder
@@ -99,17 +99,19 @@ class RunPlan:
         """This plan with other layers per stage (a re-split: nothing else changes)."""
         return dataclasses.replace(self, split=StageSplit(split), resume=None, reshard=False, notes=())
 
-    def with_layout(self, tp: int) -> RunPlan:
+    def with_layout(self, tp: int, shares: Sequence[int] | None = None) -> RunPlan:
         """This plan at TP `tp` x DP (world / TP), PP 1 (an escalation's move: `escalated_config`); the data
-        and the model stay, the split is the whole model, the shares start even."""
+        and the model stay, the split is the whole model, the replicas start from `shares` (even if None)."""
         home = self.home_cfg or self.cfg
         cfg = escalated_config(home, tp, self.world_size)
         dp = validate(cfg, self.world_size)
-        t = cfg.train
+        total = cfg.train.global_batch_size // cfg.train.micro_batch_size
+        start = even_shares(total, dp) if shares is None else DataParallelShares(shares)
+        if len(start) != dp or sum(start) != total:
+            raise ValueError(f"shares {list(start)}: not {total} micro-batches over {dp} replicas")
         return dataclasses.replace(
             self, cfg=cfg.freeze(), dp=dp, split=stage_split(cfg), speeds=types.MappingProxyType({}),
-            shares=even_shares(t.global_batch_size // t.micro_batch_size, dp), replica_speeds=None,
-            resume=None, reshard=False, notes=(), home_cfg=home,
+            shares=start, replica_speeds=None, resume=None, reshard=False, notes=(), home_cfg=home,
         )  # fmt: skip
 
     def tp_group_speeds(self, pp_rank: int) -> list[list[float]] | None:

@@ -106,9 +106,9 @@ class Trainer:
         self.pending_split: tuple[int, ...] | None = None
         """Layers per pipeline stage a hook asked for (`request_split`): training stops after the step
         and `pretrain()` re-splits (megahet/runtime/resplit.py)."""
-        self.pending_layout: int | None = None
-        """The TP size an escalation asked for (`request_layout`): training stops after the step and
-        `pretrain()` moves to TP x DP in place (megahet/runtime/relayout.py)."""
+        self.pending_layout: tuple[int, tuple[int, ...]] | None = None
+        """The TP size and DP shares an escalation asked for (`request_layout`): training stops after the step
+        and `pretrain()` moves to TP x DP in place (megahet/runtime/relayout.py)."""
         self.last_saved = -1
         self.build_s = 0.0
         self.last_resplit = None
@@ -123,10 +123,11 @@ class Trainer:
         the same split at the same step: the pipeline balancer decides on numbers gathered over all)."""
         self.pending_split = tuple(split)
 
-    def request_layout(self, tp: int) -> None:
-        """Stop training after this step and move to TP `tp` x DP (world / TP) in place (every rank asks at
-        the same step: the escalation decides on numbers gathered over all)."""
-        self.pending_layout = tp
+    def request_layout(self, tp: int, shares: tuple[int, ...]) -> None:
+        """Stop training after this step and move to TP `tp` x DP (world / TP) in place, its replicas starting
+        from these micro-batch shares (every rank asks at the same step: the escalation decides on numbers
+        gathered over all)."""
+        self.pending_layout = (tp, tuple(shares))
 
     @property
     def pending_move(self) -> bool:

@@ -379,7 +379,7 @@ class EscalateConfig(_Section):
 
     mode: Literal["off", "on"] = "off"
     """on: measure every step, print every decision, and move when the escalation ladder says so."""
-    patience: int = 5
+    patience: int = 3
     """Steps in a row a straggler must be flagged before a move (and gone before the way back)."""
     horizon: int = 100
     """A move must pay within this many steps (or the steps left, if fewer): the predicted time it saves
@@ -389,8 +389,8 @@ class EscalateConfig(_Section):
     delay_floor_ms: float = 0.5
     """A rank later than this to each collective (its peers' wait per collective minus its own) is a
     straggler, whatever its speed."""
-    window: int = 5
-    """Steps in the medians of the measurements."""
+    window: int = 3
+    """Steps in the medians of the measurements (as balance.window and hetero.window)."""
 
     @property
     def active(self) -> bool:

@@ -160,8 +160,8 @@ class EscalationController(MeasuringHook):
         if (decision.action, decision.reason) != self.printed or decision.action != "stay":
             self.printed = (decision.action, decision.reason)
             self.log(_line(decision, here, other, inside, m))
-        if decision.action != "stay":
-            self.ctx.request_layout(other.tp)
+        if decision.action != "stay":  # from the predicted shares (the DP balancer goes on)
+            self.ctx.request_layout(other.tp, other.shares)
 
     def metrics(self) -> dict[str, float]:
         return dict(self.last)

@@ -59,6 +59,10 @@ class StepContext(Protocol):
     def request_split(self, split: tuple[int, ...]) -> None:
         """Ask for other layers per pipeline stage: training stops after the step and re-splits."""
 
+    def request_layout(self, tp: int, shares: tuple[int, ...]) -> None:
+        """Ask for TP `tp` x DP starting from these DP shares (an escalation): training stops after the step
+        and moves in place."""
+
 
 class StepHook:
     checkpointed: bool = False

@@ -19,7 +19,7 @@ run's own layout: megahet/checkpointing/elastic.py reshards a checkpoint saved a
 is measured in three parts (planning, transfer, rebuild) and logged (`relayout_s`, `relayout_bytes`); the
 escalation weighs the next move against it.
 
-    trainer = relayout(trainer, rebuild)     # trainer.pending_layout: the TP to move to
+    trainer = relayout(trainer, rebuild)     # trainer.pending_layout: the TP and DP shares to move to
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from megahet.runtime.resplit import describe, move_state
 
 
 def relayout(trainer, rebuild: Callable[[RunPlan, checkpoint.Restore, int], object]):
-    """Move `trainer` to TP `trainer.pending_layout` x DP (all ranks call it after the same step); returns
+    """Move `trainer` to `trainer.pending_layout` (TP, DP shares; all ranks call it after the same step); returns
     the Trainer of the new layout (`rebuild`: from the new plan, on the rebuilt groups), at the same step."""
     plan, logger, step, layout = trainer.plan, trainer.logger, trainer.iteration, trainer.layout
-    new_plan = plan.with_layout(trainer.pending_layout)
+    new_plan = plan.with_layout(*trainer.pending_layout)
     seed = plan.cfg.train.seed
     old = Layout(layout.tp_size, layout.pp_size, layout.dp_size, tuple(plan.split))
     new_trainer, cost, moves = move_state(

@@ -31,6 +31,7 @@ import torch
 
 from benchmarks.contention import descendants
 from megahet.launch import deepspeed_cmd, free_port, launch_env, torchrun_cmd  # noqa: F401 (shared)
+from megahet.logging import read_metrics_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/machine.py, also in the workers
 from machine import REQUIRE_ALL, skip_or_fail  # noqa: F401 (shared with the unit tests)
@@ -96,13 +97,18 @@ def torchrun_curves(script: str, nproc: int, args: list[str], steps: int, *, cwd
     return metrics_curves(metrics, steps)
 
 
-def read_records(path: Path) -> dict[int, dict]:
-    """pretrain's --logging.metrics_file by step (a step logged twice, as by a resumed run: its last values)."""
-    records: dict[int, dict] = {}
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
-        records.setdefault(record.pop("step"), {}).update(record)
-    return records
+read_records = read_metrics_file
+"""pretrain's --logging.metrics_file by step (a step logged twice, as by a resumed run: its last values)."""
+
+
+def compare_steps(test: str, actual: dict[int, dict], expected: dict[int, dict], steps: range, what: str = "",
+                  rtol: float = 1e-5) -> None:  # fmt: skip
+    """Two runs' per-step loss, gradient norm and LR (read_records) over `steps` within fp32 reduction noise
+    (`rtol`: runs that reduce in another order, as after a reshard or a move)."""
+    for key in ("loss", "grad_norm", "lr"):
+        a = torch.tensor([actual[s][key] for s in steps], dtype=torch.float64)
+        b = torch.tensor([expected[s][key] for s in steps], dtype=torch.float64)
+        compare(test, f"{key}, steps {steps.start}..{steps.stop - 1}{what}", a, b, rtol=rtol)
 
 
 # Workers name parameters as the unsharded model does; with PP > 1 the last stage also holds the

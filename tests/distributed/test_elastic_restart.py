@@ -25,8 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from harness import GPT_MODEL, REPO, _kill_launch, compare, free_port, read_records, short_run, torchrun
+from harness import GPT_MODEL, REPO, _kill_launch, compare_steps, free_port, read_records, short_run, torchrun
 
 STEPS = 12
 COMMON = [*GPT_MODEL, *short_run(STEPS), "--parallel.tp", "2", "--train.save_interval", "4"]
@@ -116,10 +115,6 @@ def test_shrinks_to_the_devices_left_and_stays_on_the_loss_curve(elastic: dict) 
     assert not any(name.startswith("iter_0000004_") for name in saved), saved
     assert "iter_0000004" in saved and f"iter_{STEPS:07d}" in saved
     assert max(records) == STEPS
-    after = range(5, STEPS + 1)
-    for key in ("loss", "grad_norm", "lr"):
-        actual = torch.tensor([records[s][key] for s in after], dtype=torch.float64)
-        expected = torch.tensor([reference[s][key] for s in after], dtype=torch.float64)
-        compare("elastic_shrink", f"{key}, steps 5..{STEPS} at DP 1 vs DP 2", actual, expected, rtol=1e-5)
+    compare_steps("elastic_shrink", records, reference, range(5, STEPS + 1), what=" at DP 1 vs DP 2")
     restart_s = elastic["finished"] - elastic["lost_at"]
     print(f"elastic shrink 4 -> 2 ranks: lost node to the end of training {restart_s:.1f} s")

@@ -27,10 +27,9 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 from harness import (
     GPT_MODEL,
-    compare,
+    compare_steps,
     launch,
     metrics_job,
     read_records,
@@ -88,11 +87,7 @@ def test_a_late_tp_rank_moves_the_job_to_dp_on_the_loss_curve(runs: dict) -> Non
     assert re.search(r"escalation step \d+: move .*TP 1 x DP 2 .*predicted [\d.]+, delay [\d.]+ ms", log)
     assert "megahet gpt: world 2 = TP 1 x PP 1 x DP 2" in log
     ref, esc = runs["ref"], runs["esc"]
-    for key in ("loss", "grad_norm", "lr"):
-        steps = range(1, STEPS + 1)
-        actual = torch.tensor([esc[s][key] for s in steps], dtype=torch.float64)
-        expected = torch.tensor([ref[s][key] for s in steps], dtype=torch.float64)
-        compare("escalation", f"{key}, steps 1..{STEPS}, moved after {step}", actual, expected, rtol=1e-5)
+    compare_steps("escalation", esc, ref, range(1, STEPS + 1), what=f", moved after {step}")
     # the collectives a rank joins per step are the cost model's, on both layouts
     micro_batches = 8 // 2
     for s, tp in ((step, 2), (STEPS, 1)):
@@ -107,10 +102,7 @@ def test_a_checkpoint_saved_after_the_move_resumes_at_the_runs_own_layout(runs: 
     esc, resumed = runs["esc"], runs["resumed"]
     after = range(SAVE_STEP + 1, STEPS + 1)
     assert sorted(s for s in resumed if "loss" in resumed[s]) == list(after)
-    for key in ("loss", "grad_norm", "lr"):
-        actual = torch.tensor([resumed[s][key] for s in after], dtype=torch.float64)
-        expected = torch.tensor([esc[s][key] for s in after], dtype=torch.float64)
-        compare("escalation_resume", f"{key}, steps {SAVE_STEP + 1}..{STEPS}", actual, expected, rtol=1e-5)
+    compare_steps("escalation_resume", resumed, esc, after)
 
 
 def test_a_kill_during_the_move_resumes_from_the_last_complete_checkpoint(
@@ -138,8 +130,4 @@ def test_a_kill_during_the_move_resumes_from_the_last_complete_checkpoint(
     assert sum(f'"step": {rerun},' in line and '"loss"' in line for line in lines) == 2
     full, ck = read_records(tmp_path / "full.jsonl"), read_records(tmp_path / "ck.jsonl")
     assert max(ck) == STEPS
-    after = range(9, STEPS + 1)
-    for key in ("loss", "grad_norm", "lr"):
-        actual = torch.tensor([ck[s][key] for s in after], dtype=torch.float64)
-        expected = torch.tensor([full[s][key] for s in after], dtype=torch.float64)
-        compare("escalation_kill", f"{key}, steps 9..{STEPS}", actual, expected, rtol=1e-5)
+    compare_steps("escalation_kill", ck, full, range(9, STEPS + 1))

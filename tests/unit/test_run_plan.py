@@ -92,6 +92,9 @@ def test_an_escalating_run_plans_the_layouts_it_may_move_between() -> None:
         moved.cfg.hetero.dp_shares == "measured" and moved.cfg.balance.mode == "static" and moved.cfg.frozen
     )
     assert moved.shares == (2, 2) and moved.home_cfg is plan.cfg and moved.escalation_tps == (1, 2)
+    assert plan.with_layout(1, (3, 1)).shares == (3, 1)  # the replicas start from the predicted shares
+    with pytest.raises(ValueError, match="not 4 micro-batches over 2 replicas"):
+        plan.with_layout(1, (3, 2))
     back = moved.with_layout(2)
     assert back.cfg is plan.cfg and (back.tp, back.dp) == (2, 1)  # the run's own configuration, as it was
     with pytest.raises(ConfigError) as err:  # one micro-batch a step: DP 2 cannot split it

@@ -19,6 +19,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 # config -> world size of the launch that uses it
 WORLDS = {
     "cpu/gpt_packed_dp2.yaml": 2,
+    "cpu/gpt_tp2_escalate.yaml": 2,
     "cpu/gpt_tp2_pp2.yaml": 4,
     "cpu/llama_cp2_placed.yaml": 2,
     "cpu/llama_tp2.yaml": 2,

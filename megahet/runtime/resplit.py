@@ -30,6 +30,9 @@ list, the plan and the engine's state; `resplit_transfer_s`: the runs that chang
 bytes moved (`resplit_bytes`); the pipeline balancer weighs the next re-split against it.
 
     trainer = resplit(trainer, rebuild)     # rebuild(plan, restore, resplits) -> Trainer
+
+`move_state` is the move itself, shared with the escalation's move to another TP x DP layout
+(megahet/runtime/relayout.py), which rebuilds megatron-core's groups between freeing and building.
 """
 
 from __future__ import annotations
@@ -141,6 +144,7 @@ def move_state(
     for hook in trainer.step_hooks:
         hook.close(final=False)
     _free(trainer)
+    carry = "and the balancers' state carry" if regroup is None else "carry (the balancers measure anew)"
     if regroup is not None:
         regroup()
         # the tensor-parallel streams belong to a TP rank: the new one's, seeded by regroup, stay
@@ -154,7 +158,7 @@ def move_state(
         e.global_steps = global_steps
         return progress, (
             f"moved the weights and optimizer state {describe(old)} -> {describe(new)} rank to rank (step "
-            f"{progress.iteration}); RNG streams and the balancers' state carry over"
+            f"{progress.iteration}); RNG streams {carry} over"
         )
 
     weights = functools.partial(load_weights, holdings=after, flat=state)

@@ -33,7 +33,7 @@ The other layout's step is predicted from what the runtime measured on this one 
 speed, own compute and per-collective delay, a collective's calm wait, the optimizer step) by
 `predict_step_s`: the work at speed 1 split over the candidate's replicas by their speed (the DP shares a
 measured balancer would give them, whole micro-batches), plus its collectives (`step_collectives`, counted
-on megatron-core 0.16 and DeepSpeed 0.19 by CommClock, tests/distributed/test_escalation.py checks the
+on megatron-core 0.16 and DeepSpeed 0.19 by CommClock, tests/distributed/test_escalation_training.py checks the
 count), each at the calm wait plus the delay of the latest rank it waits for.
 
     other = best_layout(measured, world=2, current=(2, 1))     # (step_s, tp, dp, shares) of the best other

@@ -18,7 +18,7 @@ reference within fp32 reduction noise (the moved run reduces in another order); 
 per step must be the cost model's (`step_collectives`: a megatron-core or DeepSpeed change that adds
 collectives fails here, not silently in the prediction). The benchmark, not this test, checks the speed.
 
-Run: ``python -m pytest tests/distributed/test_escalation.py -q``
+Run: ``python -m pytest tests/distributed/test_escalation_training.py -q``
 """
 
 from __future__ import annotations

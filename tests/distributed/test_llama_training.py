@@ -1,6 +1,8 @@
 """The Llama shape in the real training path (pretrain_gpt.py, TP=2, 2 ranks, gloo): rotary positions,
 RMSNorm, SwiGLU, 2 key/value groups for 4 query heads (one group per TP rank), untied output layer, no
-biases, with the SEMI balancer on and TP rank 1 on a virtual device 4x slow from step 4 to step 14.
+biases, with the SEMI balancer on and TP rank 1 on a virtual device 4x slow from step 4 to step 14 (at a
+nominal 1 GFLOP/s: at 5 this host's real compute outran the charge on a slow day, rank 1 read 0.7x, not 0.25x,
+and SEMI resized instead of migrating, at the commit before too).
 
 Launch 1 (24 steps, saving at step 10, in the middle of the slow phase): the balancer moves query heads
 (their group's k/v rows sent along) and SwiGLU units to rank 0 while rank 1 is slow and the loss falls.
@@ -28,7 +30,7 @@ def _launch(out: Path, gpt_data: list[str], name: str, extra: list[str]) -> list
     metrics = out / f"{name}.jsonl"
     args = [
         *LLAMA_MODEL, *gpt_data, "--parallel.tp", "2", "--balance.mode", "semi",
-        "--device.profile", f"schedule:0=1,1;{SLOW_FROM}=1,0.25;{SLOW_UNTIL}=1,1", "--device.rate_gflops", "5",
+        "--device.profile", f"schedule:0=1,1;{SLOW_FROM}=1,0.25;{SLOW_UNTIL}=1,1", "--device.rate_gflops", "1",
         "--train.train_iters", str(STEPS), "--train.micro_batch_size", "2", "--train.global_batch_size", "8",
         "--train.lr", "3e-3", "--train.lr_warmup_iters", "2", "--train.log_interval", "1",
         "--train.eval_interval", "100", "--train.eval_iters", "1", "--logging.wandb", "false",

@@ -21,7 +21,8 @@ two (start-up) of `step_time_s`, with each move's measured cost (`relayout_s`) a
 capacity ideal is real_contention.py's, from the fastest calm layout: its step scaled by the cores the
 ranks really got (the kernel's scheduler statistics; emulated4: whole cores, the delay being pure loss).
 The gain captured is (T_base / T - 1) / (T_base / T_capacity - 1), move included, T_base being static's
-(emulated4: semi's). Goal (steady): escalate >= 0.8, where SEMI
+(emulated4: semi's); `gain_after` is the same of the steady step after the last move (the layout's own
+ceiling, the move and the steps before it left out). Goal (steady): escalate >= 0.8, where SEMI
 alone captures 0.08-0.3 (benchmarks/results/real_contention.json).
 
 Writes benchmarks/results/escalation.{md,json}; logs and metrics go to benchmarks/results/escalation_runs/.
@@ -70,6 +71,7 @@ COLUMNS = [
     "after_s",
     "capacity_s",
     "gain_captured",
+    "gain_after",
     "move_s",
     "layouts",
 ]
@@ -175,9 +177,8 @@ def add_capacity(rows: list[dict], case: str, base_mode: str) -> None:
     for row, cores in zip(mine, got[1:]):
         row["capacity_s"] = calm["step_s"] * got[0] / cores
         possible = base["step_s"] / row["capacity_s"] - 1
-        row["gain_captured"] = (
-            (base["step_s"] / row["step_s"] - 1) / possible if possible > 0 else float("nan")
-        )
+        for key, step in (("gain_captured", "step_s"), ("gain_after", "after_s")):
+            row[key] = (base["step_s"] / row[step] - 1) / possible if possible > 0 else float("nan")
 
 
 def goals(rows: list[dict]) -> list[str]:
@@ -188,7 +189,8 @@ def goals(rows: list[dict]) -> list[str]:
             lines.append(
                 f"{row['case']} {row['mode']}: {row['step_s']:.3f} s/step over the run (move {row['move_s']:.2f} s"
                 f" included), {row['after_s']:.3f} after the last move, capacity ideal {row['capacity_s']:.3f}: "
-                f"gain captured {row['gain_captured']:.2f}; layouts: {row['layouts']}"
+                f"gain captured {row['gain_captured']:.2f} ({row['gain_after']:.2f} after the move); layouts: "
+                f"{row['layouts']}"
                 + (f" (goal >= 0.8: {'met' if row['gain_captured'] >= 0.8 else 'MISSED'})" if goal else "")
             )
     return lines

@@ -379,8 +379,10 @@ class EscalateConfig(_Section):
 
     mode: Literal["off", "on"] = "off"
     """on: measure every step, print every decision, and move when the escalation ladder says so."""
-    patience: int = 3
-    """Steps in a row a straggler must be flagged before a move (and gone before the way back)."""
+    patience: int = 1
+    """Steps in a row a straggler must at least be flagged before a move (and gone before the way back). A
+    move also waits until staying has lost as much time as the move costs (break-even): a large saving moves
+    at once, a marginal one later, a short episode never."""
     horizon: int = 100
     """A move must pay within this many steps (or the steps left, if fewer): the predicted time it saves
     per step times them must exceed its cost (the last move's, measured; before one, the build at start)."""

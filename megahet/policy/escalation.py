@@ -12,21 +12,25 @@ times the calm wait and the latest rank's measured delay per collective.
 
 Each step the runtime hands the ladder an `Observation`: whether a straggler is flagged, the step the
 inside-layout plan reaches (SEMI, DP shares, a re-split), the best other layout's predicted step, and the
-measured cost of moving (save, restart in the new layout, parallel read). The rungs:
+measured cost of moving. The rungs:
 
 1. the inside-layout plan comes within `min_gain` of the other layout: stay (it closes the gap);
-2. a straggler flagged for `patience` steps in a row, and the other layout's gain summed over `horizon`
-   steps (or the steps left) exceeds the move's cost: move;
-3. on the new layout, the straggler gone for `patience` steps and moving back pays the same way: return.
+2. a straggler flagged for at least `patience` steps in a row, the other layout's gain summed over
+   `horizon` steps (or the steps left) above the move's cost, and the time already lost by staying this
+   episode (the other layout's saving summed over the flagged steps) at least the move's cost: move;
+3. on the new layout, the straggler gone as long and moving back paying and breaking even the same way:
+   return.
 
-No flapping: a move needs the straggler flagged `patience` steps in a row and the way back needs it gone as
-long, so an episode (flagged until gone `patience` steps) moves at most once each way, and one shorter than
-`patience` or whose gain does not pay for the move does not move at all. Every decision, taken or not, comes back as a `Decision` with its
-numbers, for the log.
+The last condition is the ski-rental rule (rent until the rent paid equals the price, then buy): an episode
+whose length is unknown costs at most twice what moving at its start, or never, would have. A large saving
+against a cheap move moves after one flagged step; a marginal one waits; an episode that ends before its
+losses reach the move's cost never moves. No flapping: the way back needs the straggler gone and the same
+break-even, so an episode moves at most once each way. Every decision, taken or not, comes back as a
+`Decision` with its numbers, for the log.
 
-    ladder = EscalationLadder(patience=5, horizon=200, min_gain=0.05)
+    ladder = EscalationLadder(patience=1, horizon=200, min_gain=0.05)
     decision = ladder.decide(Observation(step=40, straggler=True, inside_s=1.3, other_s=0.9,
-                                         move_s=20.0, steps_left=1000))
+                                         move_s=0.3, steps_left=1000))
     decision.action          # "stay", "move" or "return"; decision.reason, decision.line()
 
 The other layout's step is predicted from what the runtime measured on this one (`Measured`: each rank's
@@ -80,18 +84,20 @@ class Decision:
     gain_s: float
     """Seconds the other layout saves over the horizon (its gain a step times the steps counted)."""
     move_s: float
+    lost_s: float
+    """Seconds lost by staying so far this episode (the other layout's gain summed over its steps)."""
 
     def line(self) -> str:
         """The decision as a log line, with its numbers."""
         return (
             f"escalation step {self.step}: {self.action} ({self.reason}; gain over the horizon "
-            f"{self.gain_s:.1f} s, move {self.move_s:.1f} s)"
+            f"{self.gain_s:.1f} s, lost {self.lost_s:.1f} s, move {self.move_s:.1f} s)"
         )
 
 
 class EscalationLadder:
-    """The ladder's state over a run: which layout it is on, the straggler's streaks, the moves this
-    episode. `decide` is called once a step."""
+    """The ladder's state over a run: which layout it is on, the straggler's streaks and the time lost by
+    staying this streak. `decide` is called once a step."""
 
     def __init__(self, patience: int, horizon: int, min_gain: float):
         if patience < 1 or horizon < 1 or not 0.0 <= min_gain < 1.0:
@@ -102,14 +108,20 @@ class EscalationLadder:
         self.patience, self.horizon, self.min_gain = patience, horizon, min_gain
         self.moved = False  # on the other layout
         self.flagged = self.calm = 0  # steps in a row with / without a straggler
+        self.lost_s = 0.0  # the other layout's saving summed over the current streak (flagged, or calm if moved)
 
     def decide(self, obs: Observation) -> Decision:
+        streak = self.calm if self.moved else self.flagged
         self.flagged, self.calm = (self.flagged + 1, 0) if obs.straggler else (0, self.calm + 1)
+        if (self.calm if self.moved else self.flagged) <= streak:  # the streak the next move counts broke
+            self.lost_s = 0.0
+        elif obs.other_s < obs.inside_s:
+            self.lost_s += obs.inside_s - obs.other_s
         steps = min(self.horizon, max(obs.steps_left, 0))
         gain_s = (obs.inside_s - obs.other_s) * steps
 
         def decision(action, reason: str) -> Decision:
-            return Decision(obs.step, action, reason, gain_s, obs.move_s)
+            return Decision(obs.step, action, reason, gain_s, obs.move_s, self.lost_s)
 
         wanted = "return" if self.moved else "move"
         if self.moved and self.calm < self.patience:
@@ -120,8 +132,13 @@ class EscalationLadder:
             return decision("stay", f"the other layout saves less than {self.min_gain:.0%} a step")
         if gain_s <= obs.move_s:
             return decision("stay", f"it does not pay within {steps} steps")
+        if self.lost_s < obs.move_s:
+            return decision("stay", "staying has not yet lost what the move costs")
         self.moved = not self.moved
-        return decision(wanted, "the straggler persists" if wanted == "move" else "the straggler is gone")
+        out = decision(wanted, "the straggler persists" if wanted == "move" else "the straggler is gone")
+        self.flagged = self.calm = 0
+        self.lost_s = 0.0
+        return out
 
 
 def step_collectives(tp: int, dp: int, layers: int) -> tuple[int, int]:

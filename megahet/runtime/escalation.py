@@ -20,9 +20,9 @@ start of the next step every rank folds the same rows in, so every rank decides 
 
 With them `layout_choices` predicts every TP x DP layout of the world, and `EscalationLadder` decides: a
 straggler (slower than `balance.healthy_gap`, or later than `escalate.delay_floor_ms` to each collective)
-flagged `escalate.patience` steps in a row, and the best other layout's predicted saving over
-`escalate.horizon` steps above the move's cost (the last move's, measured; before one, the build at start):
-move. On the moved-to layout, the straggler gone as long and the way back paying the same way: return.
+flagged at least `escalate.patience` steps in a row, the best other layout's predicted saving over
+`escalate.horizon` steps above the move's cost (the last move's, measured; before one, the build at start),
+and the time lost by staying this episode at least that cost (break-even): move. On the moved-to layout, the straggler gone as long and the way back paying the same way: return.
 Every decision is logged (metrics `escalate_inside_s`, `escalate_other_s`, `escalate_predicted_s`,
 `escalate_delay_ms`, `escalate_collectives`: a rank's collectives per step), and printed whenever it or its reason changes:
 
@@ -171,11 +171,15 @@ class EscalationController(MeasuringHook):
 
     def state_dict(self) -> dict:
         ladder = self.ladder
-        return {"moved": ladder.moved, "flagged": ladder.flagged, "calm": ladder.calm, "move_s": self.move_s}
+        return {
+            "moved": ladder.moved, "flagged": ladder.flagged, "calm": ladder.calm, "lost_s": ladder.lost_s,
+            "move_s": self.move_s,
+        }  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
         ladder = self.ladder
         ladder.moved, ladder.flagged, ladder.calm = state["moved"], state["flagged"], state["calm"]
+        ladder.lost_s = state["lost_s"]
         self.move_s = state["move_s"]
 
 

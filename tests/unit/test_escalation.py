@@ -1,9 +1,10 @@
 """The escalation ladder (megahet/policy/escalation.py, issue 46), pure: the per-collective cost model of a
 time-sliced rank (the collectives each layout joins, the predicted step of each TP x DP layout, the shares a
-slower replica gets, the speeds per rank from the balancers'), and the ladder's decisions: a gap the inside-layout plan closes does not escalate; a
-per-collective slowness it cannot close escalates when it pays; a short episode or one that does not pay
-never moves; the way back waits as long; hysteresis; every decision carries its numbers; bad settings get
-one-line errors.
+slower replica gets, the speeds per rank from the balancers'), and the ladder's decisions: a gap the
+inside-layout plan closes does not escalate; a per-collective slowness it cannot close escalates once
+staying has lost what the move costs (break-even), at once when the saving is large, never in a short
+episode or when it does not pay; patience is a floor; the way back breaks even the same way; hysteresis;
+every decision carries its numbers; bad settings get one-line errors.
 
 Run: ``python -m pytest tests/unit/test_escalation.py -q`` (a second).
 """
@@ -77,8 +78,9 @@ def test_rank_speeds_split_a_replica_speed_over_its_tp_ranks():
     assert rank_speeds(tp=2, dp=1, replicas=None, groups=[None]) is None  # nothing measured yet
 
 
-def _run(ladder, episodes, inside=1.3, other=0.9, move=20.0, steps_left=1000):
-    """Feed the ladder one straggler flag per step; its decisions."""
+def _run(ladder, episodes, inside=1.3, other=0.9, move=1.0, steps_left=1000):
+    """Feed the ladder one straggler flag per step (0.4 s a step to gain by default, a move of 1 s); its
+    decisions."""
     return [
         ladder.decide(Observation(step, flag, inside, other, move, steps_left - step))
         for step, flag in enumerate(episodes)
@@ -86,7 +88,7 @@ def _run(ladder, episodes, inside=1.3, other=0.9, move=20.0, steps_left=1000):
 
 
 def test_a_gap_the_inside_plan_closes_does_not_escalate():
-    ladder = EscalationLadder(patience=3, horizon=200, min_gain=0.05)
+    ladder = EscalationLadder(patience=1, horizon=200, min_gain=0.05)
     decisions = _run(
         ladder, [True] * 10, inside=1.0, other=0.97
     )  # SEMI reaches within 3 % of the other layout
@@ -94,37 +96,49 @@ def test_a_gap_the_inside_plan_closes_does_not_escalate():
     assert "less than 5%" in decisions[-1].reason
 
 
-def test_a_persistent_per_collective_straggler_escalates_once_when_it_pays():
-    ladder = EscalationLadder(patience=3, horizon=200, min_gain=0.05)
+def test_a_persistent_per_collective_straggler_escalates_once_at_break_even():
+    ladder = EscalationLadder(patience=1, horizon=200, min_gain=0.05)
     decisions = _run(ladder, [True] * 10)
     actions = [d.action for d in decisions]
-    assert actions == ["stay", "stay", "move"] + ["stay"] * 7  # after patience, once
+    # 0.4 s lost a step: 0.4, 0.8 stay under the move's 1 s, 1.2 reaches it (ski rental)
+    assert actions == ["stay", "stay", "move"] + ["stay"] * 7
+    assert "not yet lost" in decisions[1].reason
     move = decisions[2]
-    assert move.gain_s == pytest.approx(0.4 * 200) and move.move_s == 20.0
-    assert "move" in move.line() and "80.0 s" in move.line()
+    assert move.gain_s == pytest.approx(0.4 * 200) and move.move_s == 1.0 and move.lost_s == pytest.approx(1.2)
+    assert "move" in move.line() and "80.0 s" in move.line() and "lost 1.2 s" in move.line()
+
+
+def test_a_large_saving_against_a_cheap_move_moves_at_once_and_patience_is_a_floor():
+    assert _run(EscalationLadder(1, 200, 0.05), [True], inside=3.0, other=1.5)[0].action == "move"
+    patient = _run(EscalationLadder(3, 200, 0.05), [True] * 4, inside=3.0, other=1.5)
+    assert [d.action for d in patient] == ["stay", "stay", "move", "stay"]
+    assert "flagged 2 of 3" in patient[1].reason
 
 
 def test_a_short_episode_or_one_that_does_not_pay_never_moves():
-    ladder = EscalationLadder(patience=3, horizon=200, min_gain=0.05)
-    assert all(d.action == "stay" for d in _run(ladder, [True, True, False, True, True, False] * 3))
-    costly = EscalationLadder(patience=3, horizon=200, min_gain=0.05)
+    ladder = EscalationLadder(patience=1, horizon=200, min_gain=0.05)
+    # episodes of 2 steps lose 0.8 s each, under the move's 1 s: the loss restarts with every episode
+    decisions = _run(ladder, [True, True, False] * 5)
+    assert all(d.action == "stay" for d in decisions) and max(d.lost_s for d in decisions) == pytest.approx(0.8)
+    costly = EscalationLadder(patience=1, horizon=200, min_gain=0.05)
     decisions = _run(costly, [True] * 10, move=100.0)  # 0.4 s x 200 steps = 80 s < 100 s
     assert all(d.action == "stay" for d in decisions) and "does not pay" in decisions[-1].reason
-    late = EscalationLadder(patience=3, horizon=200, min_gain=0.05)
-    assert all(d.action == "stay" for d in _run(late, [True] * 10, steps_left=40))  # too few steps left
+    late = EscalationLadder(patience=1, horizon=200, min_gain=0.05)
+    assert all(d.action == "stay" for d in _run(late, [True] * 10, steps_left=2))  # too few steps left
 
 
-def test_it_returns_after_the_straggler_is_gone_as_long_and_moves_at_most_once_each_way():
-    ladder = EscalationLadder(patience=3, horizon=200, min_gain=0.05)
-    episode = [True] * 5 + [False, True] + [False] * 6  # a blip of calm does not send it back
+def test_it_returns_after_the_straggler_is_gone_at_break_even_and_moves_at_most_once_each_way():
+    ladder = EscalationLadder(patience=1, horizon=200, min_gain=0.05)
+    # moved at step 2; on the moved-to layout "inside" is its step and "other" the way back's
+    episode = [True] * 5 + [False, False, True] + [False] * 6  # two calm steps (0.8 s) then a blip: no return
     actions = [d.action for d in _run(ladder, episode)]
     assert actions.count("move") == 1 and actions.count("return") == 1
-    assert actions.index("return") == 5 + 2 + 2  # the third calm step in a row
+    assert actions.index("move") == 2 and actions.index("return") == 8 + 2  # the third calm step after the blip
     assert not ladder.moved
 
 
 def test_hysteresis_keeps_a_marginal_layout_change_from_happening():
-    ladder = EscalationLadder(patience=2, horizon=1000, min_gain=0.10)
+    ladder = EscalationLadder(patience=1, horizon=1000, min_gain=0.10)
     decisions = _run(ladder, [True] * 6, inside=1.0, other=0.92)  # 8 % better: pays, but under 10 %
     assert all(d.action == "stay" for d in decisions)
 
@@ -135,5 +149,5 @@ def test_hysteresis_keeps_a_marginal_layout_change_from_happening():
 )
 def test_bad_settings_get_one_line_errors(settings, needle):
     with pytest.raises(ValueError, match=needle) as err:
-        EscalationLadder(**{"patience": 3, "horizon": 200, "min_gain": 0.05, **settings})
+        EscalationLadder(**{"patience": 1, "horizon": 200, "min_gain": 0.05, **settings})
     assert "\n" not in str(err.value)

@@ -35,7 +35,7 @@ from megahet.failures import (
 from megahet.logging import TrainingLogger
 from megahet.models.compiled import compile_layers
 from megahet.parallel import ParallelLayout, current_layout, destroy_parallel, initialize_parallel
-from megahet.platform import cuda_available, device, release_freed_memory
+from megahet.platform import cuda_available, device, freeze_long_lived_objects, release_freed_memory
 from megahet.run_plan import RunPlan, plan_run
 from megahet.runtime.hook_builder import build_step_hooks
 from megahet.runtime.hooks import StepHook
@@ -51,6 +51,7 @@ def setup(cfg: MegahetConfig, spec: TaskSpec, extra_hooks: Sequence[StepHook] = 
     run after megahet's (and again after a re-split)."""
     plan = plan_run(cfg, spec)
     cfg = plan.cfg
+    freeze_long_lived_objects()  # the imports stay out of every later full collection (a move's, Python's own)
     if cfg.train.precision == "bf16" and cuda_available() and not torch.cuda.is_bf16_supported():
         raise ConfigError("train.precision=bf16 is not supported by this GPU: use train.precision=fp32")
     if int(os.environ.get("RANK", "0")) == 0:  # once, before any rank starts work

@@ -104,7 +104,9 @@ def test_a_persistent_per_collective_straggler_escalates_once_at_break_even():
     assert actions == ["stay", "stay", "move"] + ["stay"] * 7
     assert "not yet lost" in decisions[1].reason
     move = decisions[2]
-    assert move.gain_s == pytest.approx(0.4 * 200) and move.move_s == 1.0 and move.lost_s == pytest.approx(1.2)
+    assert (
+        move.gain_s == pytest.approx(0.4 * 200) and move.move_s == 1.0 and move.lost_s == pytest.approx(1.2)
+    )
     assert "move" in move.line() and "80.0 s" in move.line() and "lost 1.2 s" in move.line()
 
 
@@ -119,7 +121,9 @@ def test_a_short_episode_or_one_that_does_not_pay_never_moves():
     ladder = EscalationLadder(patience=1, horizon=200, min_gain=0.05)
     # episodes of 2 steps lose 0.8 s each, under the move's 1 s: the loss restarts with every episode
     decisions = _run(ladder, [True, True, False] * 5)
-    assert all(d.action == "stay" for d in decisions) and max(d.lost_s for d in decisions) == pytest.approx(0.8)
+    assert all(d.action == "stay" for d in decisions) and max(d.lost_s for d in decisions) == pytest.approx(
+        0.8
+    )
     costly = EscalationLadder(patience=1, horizon=200, min_gain=0.05)
     decisions = _run(costly, [True] * 10, move=100.0)  # 0.4 s x 200 steps = 80 s < 100 s
     assert all(d.action == "stay" for d in decisions) and "does not pay" in decisions[-1].reason
@@ -133,7 +137,9 @@ def test_it_returns_after_the_straggler_is_gone_at_break_even_and_moves_at_most_
     episode = [True] * 5 + [False, False, True] + [False] * 6  # two calm steps (0.8 s) then a blip: no return
     actions = [d.action for d in _run(ladder, episode)]
     assert actions.count("move") == 1 and actions.count("return") == 1
-    assert actions.index("move") == 2 and actions.index("return") == 8 + 2  # the third calm step after the blip
+    assert (
+        actions.index("move") == 2 and actions.index("return") == 8 + 2
+    )  # the third calm step after the blip
     assert not ladder.moved
 
 

@@ -7,6 +7,7 @@
   consume what they write: the state is never held twice over.
 - Freed heap memory leaves the process's resident set once released (glibc: a subprocess whose heap
   holds 256 MiB of freed 1 MiB tensors).
+- The imports frozen at setup stay out of the release's full collection; a cycle made later is collected.
 
 Run: ``python -m pytest tests/unit/test_state_load.py -q`` (a few seconds).
 """
@@ -175,6 +176,37 @@ def test_released_heap_memory_leaves_the_resident_set() -> None:
     base, freed, released = map(float, out.stdout.split())
     assert freed - base > 200, (base, freed, released)  # freed, yet resident
     assert released - base < 64, (base, freed, released)
+
+
+def test_frozen_imports_leave_full_collections_cheap_and_later_cycles_collected() -> None:
+    """setup() freezes what the imports made (freeze_long_lived_objects): the full collection a move's release
+    runs then scans only what the run made, and a reference cycle made later (an old engine) is still
+    collected. In a subprocess: freezing this process would freeze pytest's objects."""
+    script = textwrap.dedent(
+        """
+        import gc, weakref
+        import megahet.training  # what a run imports: torch, megatron-core, DeepSpeed
+        from megahet.platform import freeze_long_lived_objects, release_freed_memory
+
+        tracked = len(gc.get_objects())
+        freeze_long_lived_objects()
+        class Engine:
+            pass
+        engine, optimizer = Engine(), Engine()
+        engine.optimizer, optimizer.engine = optimizer, engine  # a cycle, as DeepSpeed's engine has
+        alive = weakref.ref(engine)
+        del engine, optimizer
+        release_freed_memory()
+        print(tracked, gc.get_freeze_count(), len(gc.get_objects()), alive() is None)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True
+    )
+    tracked, frozen, after, collected = out.stdout.split()
+    assert int(frozen) > 100_000 and int(frozen) >= int(tracked) * 0.9, out.stdout  # the imports, frozen
+    assert int(after) < int(tracked) // 10, out.stdout  # what a full collection still scans
+    assert collected == "True", out.stdout  # the cycle made after the freeze was freed
 
 
 def test_a_resplit_frees_the_old_engine_before_it_builds_the_new_one(world1, tmp_path) -> None:

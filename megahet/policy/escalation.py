@@ -108,9 +108,8 @@ class EscalationLadder:
         self.patience, self.horizon, self.min_gain = patience, horizon, min_gain
         self.moved = False  # on the other layout
         self.flagged = self.calm = 0  # steps in a row with / without a straggler
-        self.lost_s = (
-            0.0  # the other layout's saving summed over the current streak (flagged, or calm if moved)
-        )
+        # the other layout's saving summed over the current streak (flagged; calm, once moved)
+        self.lost_s = 0.0
 
     def decide(self, obs: Observation) -> Decision:
         streak = self.calm if self.moved else self.flagged

@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import torchrun
 
 MEGAHET_CALLS = {
-    1: {"megahet": 325, "measuring": 585, "semi": 660, "semi_every_step": 660},  # 300, 530, 600, 600
-    2: {"megahet": 1000, "measuring": 1390, "semi": 1480, "semi_every_step": 1480},  # 916, 1265, 1345, 1345
+    1: {"megahet": 250, "measuring": 500, "semi": 525, "semi_every_step": 525},  # 225, 455, 476, 476
+    2: {"megahet": 965, "measuring": 1350, "semi": 1440, "semi_every_step": 1440},  # 878, 1227, 1308, 1308
 }
 """Python calls into megahet per step, per TP size and system (budgets)."""
 

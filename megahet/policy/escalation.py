@@ -22,7 +22,8 @@ measured cost of moving. The rungs:
    return.
 
 The last condition is the ski-rental rule (rent until the rent paid equals the price, then buy): an episode
-whose length is unknown costs at most twice what moving at its start, or never, would have. A large saving
+whose length is unknown costs at most twice what moving at its start, or never, would have (as far as the
+predicted saving and the priced move are right). A large saving
 against a cheap move moves after one flagged step; a marginal one waits; an episode that ends before its
 losses reach the move's cost never moves. No flapping: the way back needs the straggler gone and the same
 break-even, so an episode moves at most once each way. Every decision, taken or not, comes back as a

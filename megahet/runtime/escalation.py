@@ -22,7 +22,8 @@ With them `layout_choices` predicts every TP x DP layout of the world, and `Esca
 straggler (slower than `balance.healthy_gap`, or later than `escalate.delay_floor_ms` to each collective)
 flagged at least `escalate.patience` steps in a row, the best other layout's predicted saving over
 `escalate.horizon` steps above the move's cost (the last move's, measured; before one, the build at start),
-and the time lost by staying this episode at least that cost (break-even): move. On the moved-to layout, the straggler gone as long and the way back paying the same way: return.
+and the time lost by staying this episode at least that cost (break-even): move. On the moved-to layout,
+the straggler gone as long and the way back paying and breaking even the same way: return.
 Every decision is logged (metrics `escalate_inside_s`, `escalate_other_s`, `escalate_predicted_s`,
 `escalate_delay_ms`, `escalate_collectives`: a rank's collectives per step), and printed whenever it or its reason changes:
 

@@ -8,7 +8,10 @@ Each run is `setup(cfg, pretrain_gpt.SPEC, extra_hooks)` then `train_to_end`, as
 --slow S every step sleeps S seconds after the optimizer step (a stateless step hook), so that a test
 can SIGKILL the launch between two checkpoints. With --fault NAME:WHEN:RANK (one per torchrun restart
 k: the k-th applies in attempt k) that rank SIGKILLs itself in the middle of step WHEN of run NAME, or,
-with WHEN "move", when the first re-split's state move starts (megahet/runtime/resplit.py). After each run every rank saves its model's tensors
+with WHEN "move", when the first re-split's state move starts (megahet/runtime/resplit.py). With
+--return-at S an escalated job is sent back to its own layout by the escalation's decision on step S (the
+ladder's way back, forced once: on this host TP 1 x DP 2 is faster than TP 2 even calm, so the real ladder
+never takes it). After each run every rank saves its model's tensors
 (local names, after loading and training) as DIR/<run>_rank<R>.pt and {"iteration", "start", "initialized"}
 with it.
 """
@@ -30,6 +33,7 @@ from megatron.core import parallel_state as ps
 import pretrain_gpt
 from megahet.config import load_config
 from megahet.models.common import initializes
+from megahet.policy.escalation import Decision, EscalationLadder
 from megahet.runtime import resplit
 from megahet.runtime.hooks import StepHook
 from megahet.training import setup, train_to_end
@@ -80,6 +84,21 @@ def die_in_the_move() -> None:
     resplit.exchange = exchange
 
 
+def return_at(step: int) -> None:
+    """Once the escalation has moved, its decision on step `step` or later is the way back (once), taken by
+    the runtime as the ladder's own: the move back to the run's own layout."""
+    decide, sent = EscalationLadder.decide, []
+
+    def forced(ladder: EscalationLadder, obs) -> Decision:
+        if ladder.moved and obs.step >= step and not sent:
+            sent.append(obs.step)
+            ladder.moved, ladder.flagged, ladder.calm, ladder.lost_s = False, 0, 0, 0.0
+            return Decision(obs.step, "return", "the test sends it back", 0.0, obs.move_s, 0.0)
+        return decide(ladder, obs)
+
+    EscalationLadder.decide = forced
+
+
 def run(name: str, argv: list[str], out: Path, slow: float, faults: list[str] = ()) -> None:
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
@@ -106,7 +125,10 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--slow", type=float, default=0.0)
     parser.add_argument("--fault", action="append", default=[], help="NAME:STEP:RANK, one per restart")
+    parser.add_argument("--return-at", type=int, default=None, help="force the escalation's way back")
     args, jobs = parse_jobs(argv, [], parser)
+    if args.return_at is not None:
+        return_at(args.return_at)
     for name, _, overrides in jobs:
         run(name, overrides, args.out, args.slow, args.fault)
     dist.barrier()

@@ -23,9 +23,9 @@ measured cost of moving. The rungs:
 
 The last condition is the ski-rental rule (rent until the rent paid equals the price, then buy): an episode
 whose length is unknown costs at most twice what moving at its start, or never, would have (as far as the
-predicted saving and the priced move are right). A large saving
-against a cheap move moves after one flagged step; a marginal one waits; an episode that ends before its
-losses reach the move's cost never moves. No flapping: the way back needs the straggler gone and the same
+predicted saving and the priced move are right). A large saving against a cheap move moves after one
+flagged step; a marginal one waits; an episode that ends before its losses reach the move's cost never
+moves. No flapping: the way back needs the straggler gone and the same
 break-even, so an episode moves at most once each way. Every decision, taken or not, comes back as a
 `Decision` with its numbers, for the log.
 
@@ -113,9 +113,8 @@ class EscalationLadder:
         self.lost_s = 0.0
 
     def decide(self, obs: Observation) -> Decision:
-        streak = self.calm if self.moved else self.flagged
         self.flagged, self.calm = (self.flagged + 1, 0) if obs.straggler else (0, self.calm + 1)
-        if (self.calm if self.moved else self.flagged) <= streak:  # the streak the next move counts broke
+        if obs.straggler == self.moved:  # the streak the next move counts (flagged; calm, once moved) broke
             self.lost_s = 0.0
         elif obs.other_s < obs.inside_s:
             self.lost_s += obs.inside_s - obs.other_s
@@ -136,11 +135,15 @@ class EscalationLadder:
             return decision("stay", f"it does not pay within {steps} steps")
         if self.lost_s < obs.move_s:
             return decision("stay", "staying has not yet lost what the move costs")
-        self.moved = not self.moved
         out = decision(wanted, "the straggler persists" if wanted == "move" else "the straggler is gone")
+        self.switch()
+        return out
+
+    def switch(self) -> None:
+        """Onto the other layout (a move, or the way back): the streaks and the time lost start again."""
+        self.moved = not self.moved
         self.flagged = self.calm = 0
         self.lost_s = 0.0
-        return out
 
 
 def step_collectives(tp: int, dp: int, layers: int) -> tuple[int, int]:

@@ -92,7 +92,7 @@ def return_at(step: int) -> None:
     def forced(ladder: EscalationLadder, obs) -> Decision:
         if ladder.moved and obs.step >= step and not sent:
             sent.append(obs.step)
-            ladder.moved, ladder.flagged, ladder.calm, ladder.lost_s = False, 0, 0, 0.0
+            ladder.switch()
             return Decision(obs.step, "return", "the test sends it back", 0.0, obs.move_s, 0.0)
         return decide(ladder, obs)
 

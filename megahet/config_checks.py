@@ -115,6 +115,7 @@ def _validate_escalate(cfg: MegahetConfig, world_size: int) -> None:
     _require(e.window >= 1, f"escalate.window must be >= 1 steps, got {e.window}")
     _require(0 <= e.min_gain < 1, f"escalate.min_gain must be in [0, 1), got {e.min_gain}")
     _require(e.delay_floor_ms >= 0, f"escalate.delay_floor_ms must be >= 0, got {e.delay_floor_ms}")
+    _require(e.memory_gib >= 0, f"escalate.memory_gib must be >= 0 GiB (0: the GPU's), got {e.memory_gib}")
     if not e.active:
         return
     _require(world_size > 1, "escalate.mode=on moves between layouts of several ranks: launch 2 or more")

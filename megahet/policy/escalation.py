@@ -51,6 +51,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from megahet.policy.dp_shares import dp_shares, even_shares
+from megahet.policy.layout_cost import STATE_BYTES
 
 TP_COLLECTIVES_PER_LAYER = 6
 """Collectives a TP > 1 rank joins per transformer layer and micro-batch, forward and backward (counted by
@@ -235,6 +236,49 @@ def layout_choices(m: Measured, tps: Sequence[int], balanced: bool = True) -> li
         step_s, shares = predict_step_s(m, tp, balanced)
         out.append(LayoutChoice(tp, len(m.speeds) // tp, step_s, shares))
     return sorted(out, key=lambda c: (c.step_s, -c.tp))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutMemory:
+    """A rank's memory on any TP x DP layout (PP 1, ZeRO-1), from what the current layout holds: the
+    parameters of the live model (TP-split or whole on every TP rank) with their weights, gradients and
+    ZeRO-1 optimizer state (`STATE_BYTES`, the layout planner's), plus the activations measured here scaled
+    by TP here / TP there (an upper bound on a smaller TP: each of its ranks held at least its share)."""
+
+    split_params: int
+    """Parameters TP splits, all TP ranks' together (those megatron-core marks `tensor_model_parallel`)."""
+    replicated_params: int
+    """Parameters every TP rank holds whole (norms, row-parallel biases, learned positions)."""
+    precision: str
+    tp: int
+    """The TP the activations were measured at."""
+    activations: int = 0
+    """The busiest rank's memory here beyond its modeled state (CUDA: the allocator's peak; 0 unmeasured)."""
+
+    def state_bytes(self, tp: int, dp: int) -> int:
+        """Weights, gradients and optimizer state of a rank of TP x DP (ZeRO-1 splits the optimizer over DP)."""
+        weights, grads, optimizer = STATE_BYTES[self.precision]
+        params = self.split_params // tp + self.replicated_params
+        return params * (weights + grads) + params * optimizer // dp
+
+    def bytes(self, tp: int, dp: int) -> int:
+        return self.state_bytes(tp, dp) + self.activations * self.tp // tp
+
+
+def left_out_by_memory(
+    memory: LayoutMemory, tps: Sequence[int], world: int, cap_bytes: float, home_tp: int
+) -> dict[int, str]:
+    """{TP: why} for the TP x DP layouts of `world` ranks predicted above `cap_bytes` a rank (the run's own,
+    `home_tp`, always fits: it ran)."""
+    out = {}
+    for tp in tps:
+        need = memory.bytes(tp, world // tp)
+        if tp != home_tp and need > cap_bytes:
+            out[tp] = (
+                f"TP {tp} x DP {world // tp} needs {need / 2**30:.3g} GiB a rank, over the "
+                f"{cap_bytes / 2**30:.3g} GiB allowed"
+            )
+    return out
 
 
 def rank_speeds(

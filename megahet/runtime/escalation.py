@@ -36,16 +36,28 @@ The ladder's state (on which layout, the streaks) and the last move's cost cross
 from __future__ import annotations
 
 import collections
+import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
-from megahet.config import MegahetConfig
+from megahet.config import ConfigError, MegahetConfig
 from megahet.parallel import ParallelLayout
+from megahet.platform import cuda_available, device
 from megahet.policy.detector import MedianWindow
-from megahet.policy.escalation import Decision, EscalationLadder, Measured, Observation, layout_choices
+from megahet.policy.escalation import (
+    Decision,
+    EscalationLadder,
+    LayoutMemory,
+    Measured,
+    Observation,
+    layout_choices,
+    left_out_by_memory,
+)
 from megahet.runtime.hooks import MeasuringHook, StepContext
 
 
@@ -61,10 +73,17 @@ class EscalationController(MeasuringHook):
         home_tp: int,
         speeds: Callable[[], tuple[float, ...] | None],
         log: Callable[[str], None],
+        memory: LayoutMemory,
+        cap_bytes: float,
     ):
         e = cfg.escalate
         self.cfg, self.layout, self.ctx, self.tps, self.home_tp = e, layout, ctx, tps, home_tp
         self.speeds, self.log = speeds, log
+        self.memory, self.cap_bytes = memory, cap_bytes
+        self.peak = 0  # the busiest rank's allocator peak on this layout (CUDA; 0 on CPU)
+        self.left_out: dict[int, str] = {}
+        if cuda_available():  # the peak of this layout's steps (not the start's, nor the move's)
+            torch.cuda.reset_peak_memory_stats()
         self.balanced = cfg.balance.plans
         self.healthy_gap = cfg.balance.healthy_gap
         self.train_iters = cfg.train.train_iters
@@ -80,11 +99,13 @@ class EscalationController(MeasuringHook):
         self.warm = self.closing = False
         self.printed: tuple[str, str] | None = None
         self.last: dict[str, float] = {}
+        self._check_memory()
 
     def after_step(self, engine) -> None:
         t = self.ctx.times
         step_s = time.perf_counter() - self.ctx.step_t0
-        mine = [t.compute_s, t.median_wait_s, float(t.collectives), t.optimizer_s, step_s]
+        peak = float(torch.cuda.max_memory_allocated()) if cuda_available() else 0.0
+        mine = [t.compute_s, t.median_wait_s, float(t.collectives), t.optimizer_s, step_s, peak]
         self._gather(torch.tensor(mine, dtype=torch.float64))
 
     def before_forward_backward(self, step: int) -> None:
@@ -99,7 +120,8 @@ class EscalationController(MeasuringHook):
         if not self.warm:  # a process's first step (allocations, first collectives) is not a sample
             self.warm = True
             return
-        compute, waits, count, optimizer, step_s = ([r[i] for r in rows] for i in range(5))
+        compute, waits, count, optimizer, step_s, peak = ([r[i] for r in rows] for i in range(6))
+        self.peak = int(max(peak))
         self.compute.update(compute)
         self.waits.update(waits)
         self.delays.update(self._delays(waits))
@@ -138,12 +160,46 @@ class EscalationController(MeasuringHook):
             micro_batches=self.micro_batches, layers=self.layers,
         )  # fmt: skip
 
+    def _check_memory(self) -> None:
+        """At start, a one-line ConfigError when no other layout's weights, gradients and optimizer state
+        fit (the activations are measured later; every rank computes the same, with the same cap)."""
+        state = dataclasses.replace(self.memory, activations=0)
+        world = self.layout.world_size
+        left_out = left_out_by_memory(state, self.tps, world, self.cap_bytes, self.home_tp)
+        if self.layout.tp_size != self.home_tp:
+            return
+        sizes = ", ".join(
+            f"TP {t} x DP {world // t} {state.bytes(t, world // t) / 2**30:.3g}" for t in self.tps
+        )
+        allowed = f"{self.cap_bytes / 2**30:.3g} GiB allowed" if math.isfinite(self.cap_bytes) else "no limit"
+        self.log(f"escalation: a rank's weights, gradients and optimizer state (GiB): {sizes}; {allowed}")
+        if len(left_out) == len(self.tps) - 1:
+            closest = min(left_out, key=lambda t: state.bytes(t, world // t))
+            raise ConfigError(
+                f"escalate.mode=on: no other TP x DP layout fits ({left_out[closest]}; weights, "
+                "gradients and optimizer state): raise escalate.memory_gib or set escalate.mode=off"
+            )
+
+    def _fitting(self, choices: list) -> list:
+        """The choices that fit the memory cap with the activations measured here (the busiest rank's peak
+        beyond its state); prints what is left out whenever that changes."""
+        here = self.memory.state_bytes(self.layout.tp_size, self.layout.dp_size)
+        memory = dataclasses.replace(self.memory, activations=max(self.peak - here, 0))
+        left_out = left_out_by_memory(memory, self.tps, self.layout.world_size, self.cap_bytes, self.home_tp)
+        if left_out != self.left_out:
+            self.left_out = left_out
+            for why in left_out.values():
+                self.log(f"escalation: {why} (escalate.memory_gib): left out")
+        return [c for c in choices if c.tp not in left_out]
+
     def _decide(self, step: int) -> None:
         m = self.measured()
-        choices = layout_choices(m, self.tps, self.balanced)
+        choices = self._fitting(layout_choices(m, self.tps, self.balanced))
         here = next(c for c in choices if c.tp == self.layout.tp_size)
         wanted = self.home_tp if self.ladder.moved else None
-        other = next(c for c in choices if c.tp != here.tp and (wanted is None or c.tp == wanted))
+        other = next((c for c in choices if c.tp != here.tp and (wanted is None or c.tp == wanted)), None)
+        if other is None:  # every other layout is left out (printed)
+            return
         inside = statistics.median(self.steps)
         move_s = self.move_s if self.move_s is not None else self.ctx.build_s
         obs = Observation(
@@ -182,6 +238,32 @@ class EscalationController(MeasuringHook):
         ladder.moved, ladder.flagged, ladder.calm = state["moved"], state["flagged"], state["calm"]
         ladder.lost_s = state["lost_s"]
         self.move_s = state["move_s"]
+
+
+def layout_memory(model: torch.nn.Module, tp: int, precision: str) -> LayoutMemory:
+    """The live model's parameters, TP-split (megatron-core's `tensor_model_parallel`) or whole, for
+    `LayoutMemory` (its activations are measured later)."""
+    split = replicated = 0
+    for p in model.parameters():
+        if getattr(p, "tensor_model_parallel", False):
+            split += p.numel() * tp
+        else:
+            replicated += p.numel()
+    return LayoutMemory(split, replicated, precision, tp)
+
+
+def memory_cap_bytes(cfg: MegahetConfig) -> float:
+    """What a rank may hold on a moved-to layout: escalate.memory_gib, else the smallest GPU's memory less
+    plan.memory_reserve (an all-reduce over the world, so every rank leaves the same layouts out), else no
+    limit (CPU)."""
+    if cfg.escalate.memory_gib > 0:
+        return cfg.escalate.memory_gib * 2**30
+    if not cuda_available():
+        return math.inf
+    total = torch.cuda.get_device_properties(device()).total_memory
+    smallest = torch.tensor([float(total)], dtype=torch.float64, device=device())
+    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+    return smallest.item() * (1.0 - cfg.plan.memory_reserve)
 
 
 def _line(decision: Decision, here, other, inside: float, m: Measured) -> str:

@@ -36,7 +36,7 @@ from megahet.run_plan import RunPlan
 from megahet.runtime.balancer import BalanceController
 from megahet.runtime.devices import DeviceStepHook, VirtualDevice, attach_virtual_device
 from megahet.runtime.dp_balancer import DataParallelBalancer
-from megahet.runtime.escalation import EscalationController
+from megahet.runtime.escalation import EscalationController, layout_memory, memory_cap_bytes
 from megahet.runtime.hooks import StepHook
 from megahet.runtime.packing import PackingController
 from megahet.runtime.pp_balancer import PipelineBalancer
@@ -66,9 +66,11 @@ def _escalation(plan: RunPlan, trainer, balancer, dp_balancer) -> StepHook:
         return rank_speeds(layout.tp_size, layout.dp_size, replicas, groups)
 
     home_tp = (plan.home_cfg or plan.cfg).parallel.tp
+    memory = layout_memory(trainer.task.model, layout.tp_size, plan.cfg.train.precision)
     return EscalationController(
-        plan.cfg, layout, trainer, plan.escalation_tps, home_tp, speeds, trainer.logger.print
-    )
+        plan.cfg, layout, trainer, plan.escalation_tps, home_tp, speeds, trainer.logger.print,
+        memory, memory_cap_bytes(plan.cfg),
+    )  # fmt: skip
 
 
 def _rank_coords(trainer) -> list:

@@ -15,6 +15,7 @@ step-4 checkpoint under `torchrun --max-restarts 1`, saving every 4 steps; rank 
 move's state exchange starts (the old engine's state half sent); torchrun restarts both ranks, which resume
 from their last complete checkpoint (step 8, at TP 2: the move wrote nothing), escalate again and finish,
 on the uninterrupted escalating run's loss curve.
+And a run whose only other layout would not fit escalate.memory_gib stops at start with one line (~15 s).
 The decision lines must be printed with their numbers; the losses, gradient norms and LRs must follow the
 reference within fp32 reduction noise (the moved run reduces in another order); the collectives counted
 per step must be the cost model's (`step_collectives`: a megatron-core or DeepSpeed change that adds
@@ -31,6 +32,7 @@ from pathlib import Path
 import pytest
 from harness import (
     GPT_MODEL,
+    LaunchError,
     compare_steps,
     launch,
     metrics_job,
@@ -167,3 +169,30 @@ def test_a_job_sent_back_to_its_own_layout_stays_on_the_loss_curve(
     compare_steps(
         "escalation_return", records, runs["ref"], range(1, STEPS + 1), what=f", back after {back[0]}"
     )
+
+
+MEMORY_GIB = 0.0033
+"""Between the test GPT's weights, gradients and optimizer state a rank at TP 2 (2.5 MiB) and at TP 1 x DP 2
+(3.6 MiB, fp32: the embedding whole on each rank, the optimizer split over 2)."""
+
+
+def test_a_run_whose_other_layout_would_not_fit_stops_at_start(tmp_path: Path, gpt_data: list[str]) -> None:
+    """The escalation never moves to a layout that would not fit: with escalate.memory_gib between TP 2's
+    and TP 1 x DP 2's state (counted on the live model), the ranks stop before step 1 with one line. (The
+    controller's choice among several layouts that fit is tests/unit/test_escalation_memory.py's.)"""
+    args = [*GPT_MODEL, *short_run(4), "--parallel.tp", "2", *gpt_data, *ESCALATE]
+    with pytest.raises(LaunchError) as failed:
+        torchrun("../../pretrain_gpt.py", 2, [*args, "--escalate.memory_gib", str(MEMORY_GIB)], cwd=tmp_path)
+    log = str(failed.value)
+    sizes = re.search(
+        r"optimizer state \(GiB\): TP 1 x DP 2 ([\d.e-]+), TP 2 x DP 1 ([\d.e-]+); ([\d.e-]+) GiB", log
+    )
+    assert sizes, log[-4000:]
+    tp1, tp2, allowed = map(float, sizes.groups())
+    assert tp2 < allowed == MEMORY_GIB < tp1, sizes.group(0)
+    assert (
+        "megahet: error: escalate.mode=on: no other TP x DP layout fits (TP 1 x DP 2 needs "
+        f"{tp1:.3g} GiB a rank, over the {MEMORY_GIB:.3g} GiB allowed; weights, gradients and optimizer state): "
+        "raise escalate.memory_gib or set escalate.mode=off"
+    ) in log, log[-4000:]
+    assert "step      1/" not in log, log[-4000:]

@@ -1,0 +1,132 @@
+"""The escalation's memory check (issue 46): a rank's weights, gradients and ZeRO-1 optimizer state on every
+TP x DP layout from the live model's parameters (TP-split or whole), its activations measured here and
+scaled by TP, the layouts over the cap left out (never the run's own), and the controller on 4 ranks: it
+moves a late TP 4 rank's job to TP 1 x DP 4 with no cap, to TP 2 x DP 2 when TP 1 would not fit, and
+refuses to start with one line when no other layout fits.
+
+Run: ``python -m pytest tests/unit/test_escalation_memory.py -q`` (a second).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megahet.config import ConfigError, MegahetConfig, apply_overrides
+from megahet.config_checks import validate
+from megahet.parallel import ParallelLayout
+from megahet.policy.escalation import LayoutMemory, left_out_by_memory
+from megahet.runtime.escalation import EscalationController, layout_memory, memory_cap_bytes
+
+MB = 2**20
+
+
+def test_a_ranks_state_follows_tp_and_zero1_and_its_activations_scale_with_tp():
+    memory = LayoutMemory(split_params=1000, replicated_params=100, precision="fp32", tp=2, activations=4000)
+    # fp32: 4 + 4 bytes of weights and gradients a parameter, 12 of ZeRO-1 optimizer state split over DP
+    assert memory.state_bytes(tp=2, dp=1) == 600 * 8 + 600 * 12
+    assert memory.state_bytes(tp=1, dp=2) == 1100 * 8 + 1100 * 12 // 2
+    assert memory.bytes(tp=1, dp=2) == memory.state_bytes(1, 2) + 8000  # twice the activations of TP 2
+    assert memory.bytes(tp=2, dp=1) == memory.state_bytes(2, 1) + 4000
+    bf16 = LayoutMemory(1000, 100, "bf16", tp=1)
+    assert bf16.state_bytes(tp=1, dp=4) == 1100 * 4 + 1100 * 12 // 4
+
+
+def test_the_layouts_over_the_cap_are_left_out_but_never_the_runs_own():
+    memory = LayoutMemory(split_params=100 * MB, replicated_params=0, precision="fp32", tp=4)
+    need = {tp: memory.bytes(tp, 4 // tp) for tp in (1, 2, 4)}
+    assert need[1] > need[2] > need[4]
+    left_out = left_out_by_memory(memory, (1, 2, 4), world=4, cap_bytes=need[2], home_tp=4)
+    assert list(left_out) == [1]
+    assert (
+        left_out[1]
+        == f"TP 1 x DP 4 needs {need[1] / 2**30:.3g} GiB a rank, over the {need[2] / 2**30:.3g} GiB allowed"
+    )
+    assert left_out_by_memory(memory, (1, 2, 4), 4, cap_bytes=0, home_tp=4).keys() == {1, 2}  # TP 4 ran
+    assert left_out_by_memory(memory, (1, 2, 4), 4, cap_bytes=math.inf, home_tp=4) == {}
+
+
+def test_the_live_models_parameters_are_counted_split_or_whole():
+    model = torch.nn.Linear(8, 6)  # a TP 2 rank's column-parallel shard: its weight split, its bias whole
+    model.weight.tensor_model_parallel = True
+    memory = layout_memory(model, tp=2, precision="bf16")
+    assert (memory.split_params, memory.replicated_params, memory.tp) == (2 * 48, 6, 2)
+
+
+def test_the_cap_is_the_setting_or_none_on_cpu():
+    assert memory_cap_bytes(MegahetConfig()) == math.inf
+    assert memory_cap_bytes(apply_overrides(MegahetConfig(), {"escalate.memory_gib": "1.5"})) == 1.5 * 2**30
+    with pytest.raises(
+        ConfigError, match=r"^escalate.memory_gib must be >= 0 GiB \(0: the GPU's\), got -1.0$"
+    ):
+        validate(apply_overrides(MegahetConfig(), {"escalate.memory_gib": "-1"}), 1)
+
+
+class _Context:
+    """The Trainer as the controller sees it; every rank's row of one step is handed in by `_take`."""
+
+    build_s, step_t0 = 0.05, 0.0
+
+    def __init__(self):
+        self.requested: list[tuple[int, tuple[int, ...]]] = []
+
+    def request_layout(self, tp: int, shares: tuple[int, ...]) -> None:
+        self.requested.append((tp, shares))
+
+
+def _controller(cap_bytes: float, log: list[str]) -> tuple[EscalationController, _Context]:
+    """Rank 0 of TP 4 (4 layers, 8 micro-batches a step), escalation on at its defaults."""
+    cfg = apply_overrides(
+        MegahetConfig(),
+        {"escalate.mode": "on", "train.global_batch_size": "8", "train.micro_batch_size": "1",
+         "train.train_iters": "1000", "model.num_layers": "4"},
+    )  # fmt: skip
+    layout = ParallelLayout(
+        rank=0, world_size=4, tp_rank=0, tp_size=4, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1
+    )  # fmt: skip
+    memory = LayoutMemory(split_params=100 * MB, replicated_params=MB, precision="fp32", tp=4)
+    ctx = _Context()
+    controller = EscalationController(
+        cfg, layout, ctx, (1, 2, 4), home_tp=4, speeds=lambda: None, log=log.append, memory=memory,
+        cap_bytes=cap_bytes,
+    )  # fmt: skip
+    return controller, ctx
+
+
+def _run(controller: EscalationController, steps: int) -> None:
+    """Rank 3 is 3 ms late to each of its 198 collectives a step (its peers wait for it): the rows of
+    `steps` steps, folded in and decided on as the training loop does."""
+    rows = [[0.4, 0.003, 198.0, 0.01, 1.2, 0.0]] * 3 + [[1.0, 0.0, 198.0, 0.01, 1.2, 0.0]]
+    for step in range(1, steps + 1):
+        controller._take = lambda step=step: (rows, step, 1.2)
+        controller.before_forward_backward(step + 1)
+
+
+def test_a_late_rank_moves_the_job_to_the_fastest_layout_that_fits():
+    log: list[str] = []
+    controller, ctx = _controller(math.inf, log)
+    _run(controller, 5)
+    assert ctx.requested and ctx.requested[0][0] == 1, log  # TP 1 x DP 4: no TP collectives to be late to
+    assert "no limit" in log[0]
+
+    tp2 = LayoutMemory(100 * MB, MB, "fp32", tp=4).bytes(2, 2)
+    log = []
+    controller, ctx = _controller(tp2, log)
+    _run(controller, 5)
+    assert ctx.requested and ctx.requested[0][0] == 2, log  # TP 1 would not fit: TP 2 x DP 2
+    assert ctx.requested[0][1][0] > ctx.requested[0][1][1]  # the late rank's replica gets fewer micro-batches
+    left_out = [line for line in log if line.endswith("(escalate.memory_gib): left out")]
+    assert len(left_out) == 1 and left_out[0].startswith("escalation: TP 1 x DP 4 needs"), log
+    assert any("move" in line and "TP 2 x DP 2" in line for line in log), log
+
+
+def test_no_other_layout_that_fits_is_a_one_line_error_at_start():
+    with pytest.raises(ConfigError) as error:
+        _controller(cap_bytes=100 * MB, log=[])
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(
+        "escalate.mode=on: no other TP x DP layout fits (TP 2 x DP 2"
+    )
+    assert message.endswith("raise escalate.memory_gib or set escalate.mode=off")

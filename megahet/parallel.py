@@ -29,7 +29,7 @@ from megatron.core import tensor_parallel
 from megahet.compat.cpu_shims import apply_cpu_shims
 from megahet.config import ConfigError
 from megahet.platform import cuda_available, distributed_backend
-from megahet.policy.mesh import coords_of
+from megahet.policy.mesh import STRIDED_ORDER, coords_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +50,9 @@ class ParallelLayout:
     cp_rank: int = 0
     cp_size: int = 1
     """Context parallelism: this rank's place among the ranks that split each sequence (parallel.cp)."""
+    strided: bool = False
+    """TP groups strided over the ranks (megatron-core's order STRIDED_ORDER, megahet/policy/mesh.py): an
+    escalation's placement of late ranks in one TP group."""
     weights_loaded: bool = False
     """Every weight of this rank's stage is overwritten right after the build by a loaded or moved state
     (a resume, a re-split, an elastic restart): the model builders then skip initializing them
@@ -89,11 +92,12 @@ def check_world_size(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
     return world_size // (tp * pp * cp)
 
 
-def mesh_coords(world_size: int, tp: int, pp: int) -> list[tuple[int, int, int]]:
+def mesh_coords(world_size: int, tp: int, pp: int, strided: bool = False) -> list[tuple[int, int, int]]:
     """(dp, pp, tp) of every global rank as megatron-core lays the mesh out (its default order
-    "tp-cp-ep-dp-pp": TP fastest, then DP, then PP), known before any process group starts."""
+    "tp-cp-ep-dp-pp": TP fastest, then DP, then PP; `strided`: DP fastest), known before any process group
+    starts."""
     dp = check_world_size(world_size, tp, pp)
-    return [coords_of(rank, tp, dp) for rank in range(world_size)]
+    return [coords_of(rank, tp, dp, strided) for rank in range(world_size)]
 
 
 def _init_process_group(timeout_minutes: int) -> None:
@@ -152,17 +156,21 @@ def initialize_parallel(
     return current_layout()
 
 
-def regroup(tp: int, pp: int, seed: int, cp: int = 1) -> ParallelLayout:
+def regroup(tp: int, pp: int, seed: int, cp: int = 1, strided: bool = False) -> ParallelLayout:
     """megatron-core's groups for another TP x PP (x CP) over the same world, in place (an escalation's move,
-    megahet/runtime/relayout.py): the world's group stays, the tensor-parallel RNG streams are seeded for
-    the new TP rank. Every rank calls it."""
+    megahet/runtime/relayout.py), `strided`: TP groups strided over the ranks (megatron-core's `order`
+    STRIDED_ORDER). The world's group stays, the tensor-parallel RNG streams are seeded for the new TP rank.
+    Every rank calls it."""
     check_world_size(dist.get_world_size(), tp, pp, cp)
+    if strided and cp > 1:
+        raise ValueError("strided TP groups are an escalation's placement, at CP 1")
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
-    )
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+        **({"order": STRIDED_ORDER} if strided else {}),
+    )  # fmt: skip
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    return current_layout()
+    return dataclasses.replace(current_layout(), strided=strided)
 
 
 def current_layout() -> ParallelLayout:

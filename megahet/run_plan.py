@@ -86,6 +86,8 @@ class RunPlan:
     """escalate.mode=on: the TP sizes whose TP x DP layout of this world fits (the current one among them)."""
     home_cfg: MegahetConfig | None = None
     """After an escalation's move: the run's own configuration, which every layout is derived from."""
+    strided: bool = False
+    """After an escalation's move: TP groups strided over the ranks (megahet/policy/mesh.py)."""
 
     @property
     def tp(self) -> int:
@@ -99,9 +101,10 @@ class RunPlan:
         """This plan with other layers per stage (a re-split: nothing else changes)."""
         return dataclasses.replace(self, split=StageSplit(split), resume=None, reshard=False, notes=())
 
-    def with_layout(self, tp: int, shares: Sequence[int] | None = None) -> RunPlan:
+    def with_layout(self, tp: int, shares: Sequence[int] | None = None, strided: bool = False) -> RunPlan:
         """This plan at TP `tp` x DP (world / TP), PP 1 (an escalation's move: `escalated_config`); the data
-        and the model stay, the split is the whole model, the replicas start from `shares` (even if None)."""
+        and the model stay, the split is the whole model, the replicas start from `shares` (even if None),
+        the TP groups `strided` over the ranks or not."""
         home = self.home_cfg or self.cfg
         cfg = escalated_config(home, tp, self.world_size)
         dp = validate(cfg, self.world_size)
@@ -112,6 +115,7 @@ class RunPlan:
         return dataclasses.replace(
             self, cfg=cfg.freeze(), dp=dp, split=stage_split(cfg), speeds=types.MappingProxyType({}),
             shares=start, replica_speeds=None, resume=None, reshard=False, notes=(), home_cfg=home,
+            strided=strided and 1 < tp < self.world_size,
         )  # fmt: skip
 
     def tp_group_speeds(self, pp_rank: int) -> list[list[float]] | None:

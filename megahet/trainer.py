@@ -106,8 +106,8 @@ class Trainer:
         self.pending_split: tuple[int, ...] | None = None
         """Layers per pipeline stage a hook asked for (`request_split`): training stops after the step
         and `pretrain()` re-splits (megahet/runtime/resplit.py)."""
-        self.pending_layout: tuple[int, tuple[int, ...]] | None = None
-        """The TP size and DP shares an escalation asked for (`request_layout`): training stops after the step
+        self.pending_layout: tuple[int, tuple[int, ...], bool] | None = None
+        """The TP size, DP shares and placement (strided TP groups) an escalation asked for (`request_layout`): training stops after the step
         and `pretrain()` moves to TP x DP in place (megahet/runtime/relayout.py)."""
         self.last_saved = -1
         self.build_s = 0.0
@@ -123,11 +123,11 @@ class Trainer:
         the same split at the same step: the pipeline balancer decides on numbers gathered over all)."""
         self.pending_split = tuple(split)
 
-    def request_layout(self, tp: int, shares: tuple[int, ...]) -> None:
+    def request_layout(self, tp: int, shares: tuple[int, ...], strided: bool = False) -> None:
         """Stop training after this step and move to TP `tp` x DP (world / TP) in place, its replicas starting
-        from these micro-batch shares (every rank asks at the same step: the escalation decides on numbers
-        gathered over all)."""
-        self.pending_layout = (tp, tuple(shares))
+        from these micro-batch shares, its TP groups strided over the ranks or not (every rank asks at the
+        same step: the escalation decides on numbers gathered over all)."""
+        self.pending_layout = (tp, tuple(shares), strided)
 
     @property
     def pending_move(self) -> bool:

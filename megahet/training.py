@@ -103,9 +103,10 @@ def build_trainer(
     logger = logger or TrainingLogger(cfg, layout, run_name=spec.name)
     split = f" (layers {plan.split})" if plan.split.uneven else ""
     cp = f" x CP {layout.cp_size}" if layout.cp_size > 1 else ""
+    strided = " (TP groups strided)" if layout.strided else ""
     logger.print(
         f"megahet {spec.name}: world {layout.world_size} = TP {layout.tp_size}{cp} x PP {layout.pp_size}{split} x "
-        f"DP {layout.dp_size}, ZeRO-{cfg.parallel.zero_stage}, {cfg.train.precision}, "
+        f"DP {layout.dp_size}{strided}, ZeRO-{cfg.parallel.zero_stage}, {cfg.train.precision}, "
         f"{sum(p.numel() for p in task.model.parameters())} parameters on this rank"
     )
     if compiled:
@@ -146,7 +147,8 @@ def train_to_end(trainer: Trainer, spec: TaskSpec) -> tuple[Trainer, list[dict[s
     logger, extra = trainer.logger, trainer.extra_hooks
 
     def rebuild(plan: RunPlan, restore, resplits: int) -> Trainer:  # on the groups as they are now
-        return build_trainer(plan, spec, current_layout(), None, logger, resplits, extra, restore)
+        layout = dataclasses.replace(current_layout(), strided=plan.strided)
+        return build_trainer(plan, spec, layout, None, logger, resplits, extra, restore)
 
     history = trainer.train()
     while trainer.pending_move and trainer.iteration < trainer.cfg.train.train_iters:

@@ -212,7 +212,10 @@ def save(parts: CheckpointParts, progress: Progress, root: Path | None = None) -
         meta = {
             "format": FORMAT_VERSION,
             **dataclasses.asdict(progress),
-            "layout": layout_of(cfg, zero_ranks(cfg, layout.dp_size), layout.stage_layers),
+            "layout": {
+                **layout_of(cfg, zero_ranks(cfg, layout.dp_size), layout.stage_layers),
+                **({"strided": True} if layout.strided else {}),  # which rank holds which shard
+            },
             "context_parallel": cfg.parallel.cp,
             "world_size": layout.world_size,
             "model": dataclasses.asdict(cfg.model),

@@ -56,7 +56,9 @@ def saved_layout(meta: dict) -> Layout:
     layers, pp = model["num_layers"], saved["pp"]
     split = saved.get("stage_layers") or (layers // pp,) * pp
     tied = not model.get("untie_embeddings_and_output_weights", False)
-    return Layout(saved["tp"], pp, saved.get("dp", 1), StageSplit(split), tied=tied)
+    return Layout(
+        saved["tp"], pp, saved.get("dp", 1), StageSplit(split), tied=tied, strided=saved.get("strided", False)
+    )
 
 
 def checkpoint_params(folder: Path, meta: dict) -> list[Param]:

@@ -52,6 +52,7 @@ from typing import Literal
 
 from megahet.policy.dp_shares import dp_shares, even_shares
 from megahet.policy.layout_cost import STATE_BYTES
+from megahet.policy.mesh import rank_of
 
 TP_COLLECTIVES_PER_LAYER = 6
 """Collectives a TP > 1 rank joins per transformer layer and micro-batch, forward and backward (counted by
@@ -190,9 +191,18 @@ class Measured:
         return min(self.speeds) < 1.0 - healthy_gap or max(self.delays_s) > delay_floor_s
 
 
-def predict_step_s(m: Measured, tp: int, balanced: bool = True) -> tuple[float, tuple[int, ...]]:
-    """(predicted step, micro-batches per replica) of TP x DP (DP = ranks / TP, megatron-core's order: a
-    replica's ranks are consecutive). A replica's TP group runs at its speeds' sum when a TP balancer evens
+def tp_groups(ranks: int, tp: int, strided: bool = False) -> list[list[int]]:
+    """Each DP replica's TP group of global ranks, PP 1 (megatron-core's order: consecutive ranks; `strided`:
+    every DP-th rank, megahet/policy/mesh.py)."""
+    dp = ranks // tp
+    return [[rank_of(d, 0, t, tp, dp, strided) for t in range(tp)] for d in range(dp)]
+
+
+def predict_step_s(
+    m: Measured, tp: int, balanced: bool = True, strided: bool = False
+) -> tuple[float, tuple[int, ...]]:
+    """(predicted step, micro-batches per replica) of TP x DP (DP = ranks / TP, its TP groups `tp_groups`:
+    consecutive ranks, or `strided`). A replica's TP group runs at its speeds' sum when a TP balancer evens
     it out (`balanced`), else at TP x its slowest; each micro-batch waits in each of its collectives the
     calm wait plus the latest rank's delay; the replicas get measured DP shares (whole micro-batches by
     speed: megahet/policy/dp_shares.py), then all meet in the step's own collectives and the optimizer."""
@@ -201,7 +211,7 @@ def predict_step_s(m: Measured, tp: int, balanced: bool = True) -> tuple[float, 
         raise ValueError(f"TP {tp} does not divide {ranks} ranks")
     dp = ranks // tp
     per_mb, per_step = step_collectives(tp, dp, m.layers)
-    groups = [range(g * tp, (g + 1) * tp) for g in range(dp)]
+    groups = tp_groups(ranks, tp, strided)
     mb_work = m.work_s / m.micro_batches
     mb_s = []
     for g in groups:
@@ -223,19 +233,29 @@ class LayoutChoice:
     dp: int
     step_s: float
     shares: tuple[int, ...]
+    strided: bool = False
+    """The TP groups strided over the ranks (the placement that puts late ranks in one group)."""
 
     def describe(self) -> str:
         shares = f" (shares {'/'.join(map(str, self.shares))})" if self.dp > 1 else ""
-        return f"TP {self.tp} x DP {self.dp}{shares}"
+        if not self.strided:
+            return f"TP {self.tp} x DP {self.dp}{shares}"
+        groups = " | ".join(",".join(map(str, g)) for g in tp_groups(self.tp * self.dp, self.tp, True))
+        return f"TP {self.tp} x DP {self.dp}{shares}, TP groups {groups}"
 
 
-def layout_choices(m: Measured, tps: Sequence[int], balanced: bool = True) -> list[LayoutChoice]:
-    """Every TP of `tps` (each dividing the ranks) with its predicted step, fastest first."""
-    out = []
+def layout_choices(
+    m: Measured, tps: Sequence[int], balanced: bool = True, placed: bool = True
+) -> list[LayoutChoice]:
+    """Every TP of `tps` (each dividing the ranks) with its predicted step, fastest first (ties: the larger
+    TP, then consecutive TP groups); with TP and DP both > 1 and `placed`, each placement of the TP groups
+    (consecutive and strided ranks)."""
+    ranks, out = len(m.speeds), []
     for tp in tps:
-        step_s, shares = predict_step_s(m, tp, balanced)
-        out.append(LayoutChoice(tp, len(m.speeds) // tp, step_s, shares))
-    return sorted(out, key=lambda c: (c.step_s, -c.tp))
+        for strided in (False, True) if placed and 1 < tp < ranks else (False,):
+            step_s, shares = predict_step_s(m, tp, balanced, strided)
+            out.append(LayoutChoice(tp, ranks // tp, step_s, shares, strided))
+    return sorted(out, key=lambda c: (c.step_s, -c.tp, c.strided))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,16 +306,18 @@ def rank_speeds(
     dp: int,
     replicas: Sequence[float] | None,
     groups: Sequence[Sequence[float] | None] | None,
+    strided: bool = False,
 ) -> tuple[float, ...] | None:
-    """Every rank's speed (megatron-core's order, PP 1; the fastest = 1) from what the balancers measured:
-    each replica's speed (the DP balancer's, else all alike) split over its TP ranks by their speeds within
-    the group (the TP balancer's, else alike). None when neither balancer has measured anything."""
+    """Every global rank's speed (PP 1, TP groups `tp_groups`; the fastest = 1) from what the balancers
+    measured: each replica's speed (the DP balancer's, else all alike) split over its TP ranks by their
+    speeds within the group (the TP balancer's, else alike). None when neither balancer has measured anything."""
     if replicas is None and (groups is None or all(g is None for g in groups)):
         return None
     replicas = list(replicas) if replicas is not None else [1.0] * dp
-    speeds = []
-    for d in range(dp):
+    speeds = [0.0] * (tp * dp)
+    for d, ranks in enumerate(tp_groups(tp * dp, tp, strided)):
         group = groups[d] if groups is not None and groups[d] is not None else [1.0] * tp
-        speeds += [replicas[d] * s / sum(group) for s in group]
+        for r, s in zip(ranks, group):
+            speeds[r] = replicas[d] * s / sum(group)
     fastest = max(speeds)
     return tuple(s / fastest for s in speeds)

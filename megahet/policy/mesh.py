@@ -7,11 +7,29 @@ Role: policy (shared by the process groups, megahet/parallel.py, and the layout 
 megatron-core's default order "tp-cp-ep-dp-pp": TP fastest, then DP, then PP. So TP groups are runs
 of consecutive ranks (inside a node when TP divides the ranks per node), and pipeline stage s holds the
 ranks s*TP*DP .. (s+1)*TP*DP-1.
+
+`strided` is megatron-core's order STRIDED_ORDER: DP fastest, then TP, then PP. A TP group then takes every
+DP-th rank of its stage (TP 2 x DP 2: TP groups 0,2 and 1,3), so ranks that consecutive TP groups would split
+share one: the escalation places two late ranks so (megahet/policy/escalation.py), one replica late instead
+of two.
+
+    coords_of(rank=1, tp=2, dp=2, strided=True)    # (1, 0, 0): DP replica 1, stage 0, TP rank 0
 """
 
 from __future__ import annotations
 
+STRIDED_ORDER = "cp-ep-dp-tp-pp"
+"""megatron-core's `order` of a strided mesh (CP 1, EP 1): DP fastest."""
 
-def coords_of(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
+
+def coords_of(rank: int, tp: int, dp: int, strided: bool = False) -> tuple[int, int, int]:
     """(dp, pp, tp) coordinates of global rank `rank`."""
+    if strided:
+        return rank % dp, rank // (tp * dp), (rank // dp) % tp
     return (rank // tp) % dp, rank // (tp * dp), rank % tp
+
+
+def rank_of(dp: int, pp: int, tp: int, tp_size: int, dp_size: int, strided: bool = False) -> int:
+    """The global rank at (dp, pp, tp): `coords_of`'s inverse."""
+    inner = dp + dp_size * tp if strided else tp + tp_size * dp
+    return inner + tp_size * dp_size * pp

@@ -39,7 +39,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from megahet.policy.mesh import coords_of
+from megahet.policy.mesh import coords_of, rank_of
 from megahet.policy.stage_split import check_split, format_split
 
 WEIGHT = "weight"
@@ -139,6 +139,8 @@ class Layout:
     dp: int
     split: tuple[int, ...]
     tied: bool = True
+    strided: bool = False
+    """TP groups strided over the ranks (megahet/policy/mesh.py): an escalation's placement."""
 
     def __post_init__(self):
         if min(self.tp, self.pp, self.dp) < 1:
@@ -151,10 +153,10 @@ class Layout:
 
     def rank(self, dp: int, pp: int, tp: int) -> int:
         """Global rank of (dp, pp, tp), as megatron-core orders the mesh (megahet/policy/mesh.py)."""
-        return tp + self.tp * (dp + self.dp * pp)
+        return rank_of(dp, pp, tp, self.tp, self.dp, self.strided)
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        return coords_of(rank, self.tp, self.dp)
+        return coords_of(rank, self.tp, self.dp, self.strided)
 
 
 def stage_params(params: Sequence[Param], layout: Layout, stage: int) -> list[tuple[str, Param]]:

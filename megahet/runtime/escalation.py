@@ -57,6 +57,7 @@ from megahet.policy.escalation import (
     Observation,
     layout_choices,
     left_out_by_memory,
+    tp_groups,
 )
 from megahet.runtime.hooks import MeasuringHook, StepContext
 
@@ -138,9 +139,10 @@ class EscalationController(MeasuringHook):
     def _delays(self, waits: list[float]) -> list[float]:
         """Each rank's delay per collective this step: its peers' mean wait less its own, >= 0."""
         tp, n = self.layout.tp_size, len(waits)
+        group_of = {r: g for g in tp_groups(n, tp, self.layout.strided) for r in g}
         out = []
         for r in range(n):
-            group = range(r - r % tp, r - r % tp + tp) if tp > 1 else range(n)
+            group = group_of[r] if tp > 1 else range(n)
             peers = [waits[p] for p in group if p != r]
             out.append(max(statistics.fmean(peers) - waits[r], 0.0))
         return out
@@ -195,9 +197,11 @@ class EscalationController(MeasuringHook):
     def _decide(self, step: int) -> None:
         m = self.measured()
         choices = self._fitting(layout_choices(m, self.tps, self.balanced))
-        here = next(c for c in choices if c.tp == self.layout.tp_size)
-        wanted = self.home_tp if self.ladder.moved else None
-        other = next((c for c in choices if c.tp != here.tp and (wanted is None or c.tp == wanted)), None)
+        here = next(c for c in choices if (c.tp, c.strided) == (self.layout.tp_size, self.layout.strided))
+        wanted = (self.home_tp, False) if self.ladder.moved else None  # the way back: the run's own layout
+        other = next(
+            (c for c in choices if c.tp != here.tp and (wanted is None or (c.tp, c.strided) == wanted)), None
+        )
         if other is None:  # every other layout is left out (printed)
             return
         inside = statistics.median(self.steps)
@@ -218,7 +222,7 @@ class EscalationController(MeasuringHook):
             self.printed = (decision.action, decision.reason)
             self.log(_line(decision, here, other, inside, m))
         if decision.action != "stay":  # from the predicted shares (the DP balancer goes on)
-            self.ctx.request_layout(other.tp, other.shares)
+            self.ctx.request_layout(other.tp, other.shares, other.strided)
 
     def metrics(self) -> dict[str, float]:
         return dict(self.last)

@@ -63,7 +63,7 @@ def _escalation(plan: RunPlan, trainer, balancer, dp_balancer) -> StepHook:
     def speeds() -> tuple[float, ...] | None:
         replicas = dp_balancer.replica_speeds() if dp_balancer is not None else None
         groups = [balancer.group_speeds(d) for d in range(layout.dp_size)] if balancer is not None else None
-        return rank_speeds(layout.tp_size, layout.dp_size, replicas, groups)
+        return rank_speeds(layout.tp_size, layout.dp_size, replicas, groups, layout.strided)
 
     home_tp = (plan.home_cfg or plan.cfg).parallel.tp
     memory = layout_memory(trainer.task.model, layout.tp_size, plan.cfg.train.precision)
@@ -77,7 +77,7 @@ def _rank_coords(trainer) -> list:
     """Every rank's (dp, pp, tp) as the plan assumed (megatron-core's tp-dp-pp order), checked against
     this rank's own place in megatron-core's groups (no collective: each rank checks itself)."""
     layout = trainer.layout
-    coords = mesh_coords(layout.world_size, layout.tp_size, layout.pp_size)
+    coords = mesh_coords(layout.world_size, layout.tp_size, layout.pp_size, layout.strided)
     mine = (layout.dp_rank, layout.pp_rank, layout.tp_rank)
     if coords[layout.rank] != mine:
         raise RuntimeError(

@@ -59,9 +59,9 @@ class StepContext(Protocol):
     def request_split(self, split: tuple[int, ...]) -> None:
         """Ask for other layers per pipeline stage: training stops after the step and re-splits."""
 
-    def request_layout(self, tp: int, shares: tuple[int, ...]) -> None:
-        """Ask for TP `tp` x DP starting from these DP shares (an escalation): training stops after the step
-        and moves in place."""
+    def request_layout(self, tp: int, shares: tuple[int, ...], strided: bool = False) -> None:
+        """Ask for TP `tp` x DP starting from these DP shares, its TP groups strided over the ranks or not (an
+        escalation): training stops after the step and moves in place."""
 
 
 class StepHook:

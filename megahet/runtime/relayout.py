@@ -19,7 +19,7 @@ run's own layout: megahet/checkpointing/elastic.py reshards a checkpoint saved a
 is measured in three parts (planning, transfer, rebuild) and logged (`relayout_s`, `relayout_bytes`); the
 escalation weighs the next move against it.
 
-    trainer = relayout(trainer, rebuild)     # trainer.pending_layout: the TP and DP shares to move to
+    trainer = relayout(trainer, rebuild)     # trainer.pending_layout: the TP, DP shares and placement to move to
 """
 
 from __future__ import annotations
@@ -34,17 +34,18 @@ from megahet.runtime.resplit import describe, move_state
 
 
 def relayout(trainer, rebuild: Callable[[RunPlan, checkpoint.Restore, int], object]):
-    """Move `trainer` to `trainer.pending_layout` (TP, DP shares; all ranks call it after the same step); returns
-    the Trainer of the new layout (`rebuild`: from the new plan, on the rebuilt groups), at the same step."""
+    """Move `trainer` to `trainer.pending_layout` (TP, DP shares, strided TP groups; all ranks call it after the
+    same step); returns the Trainer of the new layout (`rebuild`: from the new plan, on the rebuilt groups), at
+    the same step."""
     plan, logger, step, layout = trainer.plan, trainer.logger, trainer.iteration, trainer.layout
     new_plan = plan.with_layout(*trainer.pending_layout)
     seed = plan.cfg.train.seed
-    old = Layout(layout.tp_size, layout.pp_size, layout.dp_size, tuple(plan.split))
+    old = Layout(layout.tp_size, layout.pp_size, layout.dp_size, tuple(plan.split), strided=layout.strided)
     new_trainer, cost, moves = move_state(
         trainer, new_plan, rebuild, carried=lambda hook: hook.layout_free,
-        regroup=lambda: regroup(new_plan.tp, new_plan.pp, seed),
+        regroup=lambda: regroup(new_plan.tp, new_plan.pp, seed, strided=new_plan.strided),
     )  # fmt: skip
-    new = Layout(new_plan.tp, new_plan.pp, new_plan.dp, tuple(new_plan.split))
+    new = Layout(new_plan.tp, new_plan.pp, new_plan.dp, tuple(new_plan.split), strided=new_plan.strided)
     for hook in new_trainer.step_hooks:
         hook.relayout_done(cost)
     logger.print(

@@ -120,8 +120,8 @@ def move_state(
     m = cfg.model
     tied = not m.untie_embeddings_and_output_weights
     params = live_params(model, layout, plan.split, gated=m.activation == "swiglu", tied=tied)
-    old = Layout(layout.tp_size, layout.pp_size, layout.dp_size, tuple(plan.split), tied=tied)
-    new = Layout(new_plan.tp, new_plan.pp, new_plan.dp, tuple(new_plan.split), tied=tied)
+    old = Layout(layout.tp_size, layout.pp_size, layout.dp_size, tuple(plan.split), tied, layout.strided)
+    new = Layout(new_plan.tp, new_plan.pp, new_plan.dp, tuple(new_plan.split), tied, new_plan.strided)
     moves = reshard_plan(params, old, new)
     before = rank_holdings(params, old, layout.rank, moves.blocks)
     after = rank_holdings(params, new, layout.rank, moves.blocks)
@@ -180,9 +180,10 @@ def move_state(
 
 
 def describe(layout: Layout) -> str:
-    """'TP 2 x PP 1 x DP 1', with the layers per stage when PP > 1."""
+    """'TP 2 x PP 1 x DP 1', with the layers per stage when PP > 1 and ', TP groups strided' when they are."""
     split = f" (layers {list(layout.split)})" if layout.pp > 1 else ""
-    return f"TP {layout.tp} x PP {layout.pp}{split} x DP {layout.dp}"
+    strided = ", TP groups strided" if layout.strided else ""
+    return f"TP {layout.tp} x PP {layout.pp}{split} x DP {layout.dp}{strided}"
 
 
 def resplit(trainer, rebuild: Callable[[RunPlan, checkpoint.Restore, int], object]):

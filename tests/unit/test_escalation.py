@@ -21,7 +21,9 @@ from megahet.policy.escalation import (
     predict_step_s,
     rank_speeds,
     step_collectives,
+    tp_groups,
 )
+from megahet.policy.mesh import coords_of, rank_of
 
 
 def _measured(**changes) -> Measured:
@@ -76,6 +78,40 @@ def test_rank_speeds_split_a_replica_speed_over_its_tp_ranks():
     assert rank_speeds(tp=2, dp=1, replicas=None, groups=[[0.5, 1.0]]) == pytest.approx((0.5, 1.0))
     assert rank_speeds(tp=1, dp=2, replicas=(1.0, 0.25), groups=None) == pytest.approx((1.0, 0.25))
     assert rank_speeds(tp=2, dp=1, replicas=None, groups=[None]) is None  # nothing measured yet
+
+
+def test_strided_tp_groups_are_megatron_cores_dp_first_order_and_coords_invert():
+    assert tp_groups(4, 2) == [[0, 1], [2, 3]] and tp_groups(4, 2, strided=True) == [[0, 2], [1, 3]]
+    assert tp_groups(8, 4, strided=True) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    for tp, dp, pp in ((2, 2, 1), (2, 3, 2), (4, 2, 1), (1, 4, 2)):
+        for strided in (False, True):
+            for rank in range(tp * dp * pp):
+                d, s, t = coords_of(rank, tp, dp, strided)
+                assert rank_of(d, s, t, tp, dp, strided) == rank
+    assert coords_of(1, tp=2, dp=2, strided=True) == (
+        1,
+        0,
+        0,
+    )  # megatron-core: TP group [1, 3], DP group [0, 1]
+    speeds = rank_speeds(tp=2, dp=2, replicas=(1.0, 0.5), groups=[None, None], strided=True)
+    assert speeds == pytest.approx((1.0, 0.5, 1.0, 0.5))  # replica 1 holds ranks 1 and 3
+
+
+def test_two_late_ranks_are_placed_in_one_tp_group():
+    """Ranks 1 and 3 of 4 are 2 ms late to each collective: consecutive TP groups (0,1 | 2,3) put one in each
+    replica, so both replicas are late to every TP collective; strided ones (0,2 | 1,3) keep replica 0 calm,
+    and it takes most of the micro-batches."""
+    m = _measured(speeds=(1.0,) * 4, compute_s=(0.1,) * 4, delays_s=(0.0, 0.002, 0.0, 0.002), micro_batches=8)
+    consecutive, shares = predict_step_s(m, tp=2)
+    strided, placed = predict_step_s(m, tp=2, strided=True)
+    assert shares == (4, 4) and placed[0] > placed[1] and strided < 0.8 * consecutive
+    choices = layout_choices(m, (2, 4))
+    assert [(c.tp, c.strided) for c in choices] == [(2, True), (2, False), (4, False)]
+    assert choices[0].describe() == f"TP 2 x DP 2 (shares {placed[0]}/{placed[1]}), TP groups 0,2 | 1,3"
+    assert [(c.tp, c.strided) for c in layout_choices(m, (2, 4), placed=False)] == [(2, False), (4, False)]
+    # one late rank: both placements predict alike, and the consecutive groups come first
+    one = layout_choices(_measured(speeds=(1.0,) * 4, compute_s=(0.1,) * 4, delays_s=(0, 0, 0, 0.002)), (2,))
+    assert one[0].step_s == one[1].step_s and not one[0].strided
 
 
 def _run(ladder, episodes, inside=1.3, other=0.9, move=1.0, steps_left=1000):

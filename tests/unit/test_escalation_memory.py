@@ -1,8 +1,9 @@
 """The escalation's memory check (issue 46): a rank's weights, gradients and ZeRO-1 optimizer state on every
 TP x DP layout from the live model's parameters (TP-split or whole), its activations measured here and
 scaled by TP, the layouts over the cap left out (never the run's own), and the controller on 4 ranks: it
-moves a late TP 4 rank's job to TP 1 x DP 4 with no cap, to TP 2 x DP 2 when TP 1 would not fit, and
-refuses to start with one line when no other layout fits.
+moves a late TP 4 rank's job to TP 1 x DP 4 with no cap, to TP 2 x DP 2 when TP 1 would not fit (two late
+ranks: strided TP groups, which put them in one replica), and refuses to start with one line when no other
+layout fits.
 
 Run: ``python -m pytest tests/unit/test_escalation_memory.py -q`` (a second).
 """
@@ -72,19 +73,23 @@ class _Context:
     def __init__(self):
         self.requested: list[tuple[int, tuple[int, ...]]] = []
 
-    def request_layout(self, tp: int, shares: tuple[int, ...]) -> None:
-        self.requested.append((tp, shares))
+    def request_layout(self, tp: int, shares: tuple[int, ...], strided: bool = False) -> None:
+        self.requested.append((tp, shares, strided))
 
 
-def _controller(cap_bytes: float, log: list[str]) -> tuple[EscalationController, _Context]:
-    """Rank 0 of TP 4 (4 layers, 8 micro-batches a step), escalation on at its defaults."""
+def _controller(
+    cap_bytes: float, log: list[str], tp: int = 4, strided: bool = False
+) -> tuple[EscalationController, _Context]:
+    """Rank 0 of 4 at TP `tp` (4 layers, 8 micro-batches a step; the run's own TP is 4), escalation on at its
+    defaults."""
     cfg = apply_overrides(
         MegahetConfig(),
         {"escalate.mode": "on", "train.global_batch_size": "8", "train.micro_batch_size": "1",
          "train.train_iters": "1000", "model.num_layers": "4"},
     )  # fmt: skip
     layout = ParallelLayout(
-        rank=0, world_size=4, tp_rank=0, tp_size=4, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1
+        rank=0, world_size=4, tp_rank=0, tp_size=tp, pp_rank=0, pp_size=1, dp_rank=0, dp_size=4 // tp,
+        strided=strided,
     )  # fmt: skip
     memory = LayoutMemory(split_params=100 * MB, replicated_params=MB, precision="fp32", tp=4)
     ctx = _Context()
@@ -95,10 +100,11 @@ def _controller(cap_bytes: float, log: list[str]) -> tuple[EscalationController,
     return controller, ctx
 
 
-def _run(controller: EscalationController, steps: int) -> None:
-    """Rank 3 is 3 ms late to each of its 198 collectives a step (its peers wait for it): the rows of
-    `steps` steps, folded in and decided on as the training loop does."""
-    rows = [[0.4, 0.003, 198.0, 0.01, 1.2, 0.0]] * 3 + [[1.0, 0.0, 198.0, 0.01, 1.2, 0.0]]
+def _run(controller: EscalationController, steps: int, late=(3,)) -> None:
+    """The `late` ranks are 3 ms late to each of their 198 collectives a step (their peers wait for them):
+    the rows of `steps` steps, folded in and decided on as the training loop does."""
+    calm, slow = [0.4, 0.003, 198.0, 0.01, 1.2, 0.0], [1.0, 0.0, 198.0, 0.01, 1.2, 0.0]
+    rows = [slow if r in late else calm for r in range(4)]
     for step in range(1, steps + 1):
         controller._take = lambda step=step: (rows, step, 1.2)
         controller.before_forward_backward(step + 1)
@@ -130,3 +136,21 @@ def test_no_other_layout_that_fits_is_a_one_line_error_at_start():
         "escalate.mode=on: no other TP x DP layout fits (TP 2 x DP 2"
     )
     assert message.endswith("raise escalate.memory_gib or set escalate.mode=off")
+
+
+def test_two_late_ranks_move_to_one_tp_group_and_are_measured_there():
+    """Ranks 1 and 3 late, TP 1 x DP 4 over the cap: TP 2 x DP 2 with strided TP groups (1 and 3 together,
+    replica 0 calm and given more micro-batches). On strided groups each rank's delay is read against its own
+    group's peers: ranks 1 and 3 late, 0 and 2 not."""
+    tp2 = LayoutMemory(100 * MB, MB, "fp32", tp=4).bytes(2, 2)
+    log: list[str] = []
+    controller, ctx = _controller(tp2, log)
+    _run(controller, 5, late=(1, 3))
+    assert ctx.requested, log
+    tp, shares, strided = ctx.requested[0]
+    assert (tp, strided) == (2, True) and shares[0] > shares[1], ctx.requested
+    assert any("TP 2 x DP 2 (shares" in line and "TP groups 0,2 | 1,3" in line for line in log), log
+
+    controller, _ = _controller(math.inf, [], tp=2, strided=True)
+    # rank 0 waited 3 ms a collective for its strided peer, rank 2 (consecutive groups would blame rank 1)
+    assert controller._delays([0.003, 0.0, 0.0, 0.0]) == pytest.approx([0.0, 0.0, 0.003, 0.0])

@@ -10,6 +10,7 @@ owner changes (counted from the ids).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -110,6 +111,12 @@ CHANGES = [
     ("PP 1 -> 2 (the tied copy appears)", Layout(2, 1, 2, (4,)), Layout(2, 2, 1, (1, 3))),
     ("PP 2 -> 1 (the tied copy goes)", Layout(1, 2, 2, (2, 2)), Layout(1, 1, 4, (4,))),
     ("elastic 4 -> 2: TP 2 x PP 2 -> TP 2 x PP 1", Layout(2, 2, 1, (2, 2)), Layout(2, 1, 1, (4,))),
+    (
+        "TP 4 -> 2, strided (ranks 1 and 3 in one group)",
+        Layout(4, 1, 1, (4,)),
+        Layout(2, 1, 2, (4,), strided=True),
+    ),
+    ("TP 2 x DP 2 strided -> consecutive", Layout(2, 1, 2, (4,), strided=True), Layout(2, 1, 2, (4,))),
 ]
 
 
@@ -119,7 +126,7 @@ CHANGES = [
 def test_the_plan_gives_the_new_layout_exactly_and_moves_only_what_changes_owner(
     what, old, new, gated, untied
 ):
-    old, new = (Layout(lay.tp, lay.pp, lay.dp, lay.split, tied=not untied) for lay in (old, new))
+    old, new = (dataclasses.replace(lay, tied=not untied) for lay in (old, new))
     params = model_params(shapes(untied), gated=gated)
     before, expected = reference(params, old, gated), reference(params, new, gated)
     plan = reshard_plan(params, old, new)

@@ -1,7 +1,7 @@
 """Escalation against a real straggler (issue 46): TP=2 with a process competing for rank 1's core, where
 balancing inside the layout cannot win, against the escalation that moves the job to TP 1 x DP 2.
 
-    python benchmarks/escalation.py                               # all three cases (~30 min on 2 cores)
+    python benchmarks/escalation.py                               # all four cases (~40 min on 2 cores)
     python benchmarks/escalation.py --cases steady --steps 40
 
 Cases, each in one invocation, every mode side by side:
@@ -14,7 +14,11 @@ Cases, each in one invocation, every mode side by side:
   (escalate, then return if the way back pays);
 - emulated4: four ranks of a small GPT (not pinned), TP 4, rank 3 a virtual device at full speed that is
   DELAY_MS late to each collective (`device.collective_delay_ms`, the time-sliced rank measured by
-  benchmarks/collective_delay.py); modes semi and escalate, and the runs without the delay at TP 4, 2 and 1.
+  benchmarks/collective_delay.py); modes semi and escalate, and the runs without the delay at TP 4, 2 and 1;
+- placed4: the same with ranks 1 and 3 late and TP 1 x DP 4 over the memory a rank may hold
+  (`escalate.memory_gib`), so the escalation must pick a TP 2 x DP 2 placement; modes semi, escalate
+  (strided TP groups allowed: 1 and 3 in one) and escalate_consecutive (`escalate.placement false`:
+  megatron-core's consecutive groups, one late rank in each replica), and the calm runs at TP 4 and 2.
 
 The step time of a run is over the whole run including the move: the mean over every step after the first
 two (start-up) of `step_time_s`, with each move's measured cost (`relayout_s`) added to its step. The
@@ -56,7 +60,16 @@ MODES = {
     "static": ("--parallel.tp", "2"),
     "semi": ("--parallel.tp", "2", "--balance.mode", "semi"),
     "escalate": ("--parallel.tp", "2", "--balance.mode", "semi", "--escalate.mode", "on"),
+    "escalate_consecutive": (
+        *("--parallel.tp", "2", "--balance.mode", "semi", "--escalate.mode", "on"),
+        *("--escalate.placement", "false"),
+    ),
 }
+PLACED_MEMORY_GIB = 0.008
+"""placed4: the memory a rank may hold, between SMALL's state a rank at TP 2 x DP 2 (6 MB) and at TP 1 x DP 4
+(10 MB): the escalation must stay at TP > 1."""
+EMULATED = {"emulated4": f"0,0,0,{DELAY_MS}", "placed4": f"0,{DELAY_MS},0,{DELAY_MS}"}
+"""Each emulated case's delay per collective on ranks 0-3."""
 SMALL = [
     *("--model.num_layers", "4", "--model.hidden_size", "128", "--model.num_attention_heads", "4"),
     *("--model.seq_length", "64", "--data.vocab_size", "1024"),
@@ -83,7 +96,9 @@ def summarize(case: str, mode: str, contended: bool, metrics: Path, log: Path, s
     steps = sorted(s for s in rows if "step_time_s" in rows[s])[2:]
     move_s = sum(rows[s].get("relayout_s", 0.0) for s in rows)
     moves = re.findall(
-        r"moved (TP \d+ x PP \d+ x DP \d+) -> (TP \d+ x PP \d+ x DP \d+) after step (\d+)", log.read_text()
+        r"moved (TP \d+ x PP \d+ x DP \d+(?:, TP groups strided)?) -> (TP \d+ x PP \d+ x DP \d+(?:, TP groups "
+        r"strided)?) after step (\d+)",
+        log.read_text(),
     )
     last = int(moves[-1][2]) if moves else 0
     after = [rows[s]["step_time_s"] for s in steps if s > last + 2] or [float("nan")]
@@ -149,13 +164,15 @@ def run_pinned(case: str, mode: str, contended: bool, steps: int, cores: list[in
     return summarize(case, mode, contended, metrics, log, monitor.shares(0.3))
 
 
-def run_emulated(mode: str, delayed: bool, steps: int) -> dict:
-    """mode: semi or escalate (from TP 4), or tpN (static at TP N: the calm layouts)."""
-    name = f"emulated4_{mode}{'' if delayed else '_calm'}"
+def run_emulated(case: str, mode: str, delayed: bool, steps: int) -> dict:
+    """mode: semi or escalate[_consecutive] (from TP 4), or tpN (static at TP N: the calm layouts)."""
+    name = f"{case}_{mode}{'' if delayed else '_calm'}"
     metrics, log = RUNS / f"{name}.jsonl", RUNS / f"{name}.log"
     metrics.unlink(missing_ok=True)
-    delay = f"0,0,0,{DELAY_MS}" if delayed else "0,0,0,0"
+    delay = EMULATED[case] if delayed else "0,0,0,0"
     tp4 = ["--parallel.tp", mode[2:]] if mode.startswith("tp") else ["--parallel.tp", "4", *MODES[mode][2:]]
+    if case == "placed4" and mode.startswith("escalate"):
+        tp4 += ["--escalate.memory_gib", str(PLACED_MEMORY_GIB)]
     args = [
         str(ROOT / "pretrain_gpt.py"), *SMALL, *tp4,
         *("--device.profile", "static:1,1,1,1", "--device.collective_delay_ms", delay, "--device.rate_gflops", "1000"),
@@ -163,7 +180,7 @@ def run_emulated(mode: str, delayed: bool, steps: int) -> dict:
         *("--train.eval_interval", str(steps), "--train.eval_iters", "1", "--logging.wandb", "false"),
     ]  # fmt: skip
     torchrun(args[0], 4, args[1:], log)
-    return summarize("emulated4", mode, delayed, metrics, log, [1.0] * 4)
+    return summarize(case, mode, delayed, metrics, log, [1.0] * 4)
 
 
 def add_capacity(rows: list[dict], case: str, base_mode: str) -> None:
@@ -199,22 +216,30 @@ def goals(rows: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--cases", nargs="+", default=["steady", "episode", "emulated4"])
+    parser.add_argument("--cases", nargs="+", default=["steady", "episode", "emulated4", "placed4"])
     parser.add_argument("--name", default="escalation")
     args = parser.parse_args(argv)
     cores = two_cores()
-    if cores is None and set(args.cases) - {"emulated4"}:
-        sys.exit("escalation: error: needs two CPU cores to pin the ranks to (or --cases emulated4)")
+    if cores is None and set(args.cases) - set(EMULATED):
+        sys.exit("escalation: error: needs two CPU cores to pin the ranks to (or --cases emulated4 placed4)")
     RUNS.mkdir(parents=True, exist_ok=True)
     rows, t0 = [], time.perf_counter()
     for case in args.cases:
         if case == "emulated4":
             runs = [("tp4", False), ("tp2", False), ("tp1", False), ("semi", True), ("escalate", True)]
+        elif case == "placed4":  # TP 1 does not fit: not a calm layout either
+            runs = [
+                ("tp4", False),
+                ("tp2", False),
+                ("semi", True),
+                ("escalate_consecutive", True),
+                ("escalate", True),
+            ]
         else:
             runs = [("static", False), ("dp", False), ("static", True), ("semi", True), ("escalate", True)]
         for mode, contended in runs:
-            if case == "emulated4":
-                row = run_emulated(mode, contended, args.steps)
+            if case in EMULATED:
+                row = run_emulated(case, mode, contended, args.steps)
             else:
                 row = run_pinned(case, mode, contended, args.steps, cores)
             rows.append(row)
@@ -223,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True,
             )
     for case in args.cases:
-        add_capacity(rows, case, "semi" if case == "emulated4" else "static")
+        add_capacity(rows, case, "semi" if case in EMULATED else "static")
     meta = {"steps": args.steps, "on_off": [ON, OFF], "delay_ms": DELAY_MS, "cores": cores,
             "wall_s": time.perf_counter() - t0, "goals": goals(rows)}  # fmt: skip
     save_results(args.name, rows, COLUMNS, meta)

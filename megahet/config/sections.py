@@ -393,6 +393,9 @@ class EscalateConfig(_Section):
     straggler, whatever its speed."""
     window: int = 3
     """Steps in the medians of the measurements (as balance.window and hetero.window)."""
+    placement: bool = True
+    """Place the ranks too: a TP x DP layout may take strided TP groups (megatron-core's order cp-ep-dp-tp-pp)
+    where that puts late ranks in one group, one replica late instead of several."""
     memory_gib: float = 0.0
     """The memory a rank may hold on a moved-to layout; a layout predicted above it is left out. 0: the
     smallest GPU's, less plan.memory_reserve (no limit on CPU)."""

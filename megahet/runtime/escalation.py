@@ -196,7 +196,7 @@ class EscalationController(MeasuringHook):
 
     def _decide(self, step: int) -> None:
         m = self.measured()
-        choices = self._fitting(layout_choices(m, self.tps, self.balanced))
+        choices = self._fitting(layout_choices(m, self.tps, self.balanced, self.cfg.placement))
         here = next(c for c in choices if (c.tp, c.strided) == (self.layout.tp_size, self.layout.strided))
         wanted = (self.home_tp, False) if self.ladder.moved else None  # the way back: the run's own layout
         other = next(

@@ -84,6 +84,16 @@ def short_run(steps: int, *, eval_iters: int = 2, lr: str | None = None) -> list
     return args + (["--train.lr", lr] if lr else [])
 
 
+def late_ranks(*delays_ms: float) -> list[str]:
+    """pretrain overrides: every rank a virtual device at full speed, rank r `delays_ms[r]` late to each
+    collective it joins (device.collective_delay_ms: a time-sliced rank)."""
+    return [
+        "--device.profile", "static:" + ",".join("1" for _ in delays_ms),
+        "--device.collective_delay_ms", ",".join(str(d) for d in delays_ms),
+        "--device.rate_gflops", "1000",
+    ]  # fmt: skip
+
+
 def metrics_job(out: Path, name: str, args: list[str]) -> tuple[list[str], Path]:
     """pretrain's `args` with run `name`'s log folder and metrics file in `out`; and that file."""
     metrics = out / f"{name}.jsonl"

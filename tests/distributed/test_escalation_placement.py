@@ -1,7 +1,7 @@
 """Escalation with rank placement (issue 46), end to end on 4 ranks: a TP 4 job whose ranks 1 and 3 are late to
 every collective, with TP 1 x DP 4 over the memory a rank may hold, moves to TP 2 x DP 2 with strided TP groups
 (ranks 0,2 and 1,3: megatron-core's order cp-ep-dp-tp-pp), so that one replica is late instead of two, and
-stays on the unmoved TP 4 run's loss curve.
+stays on the unmoved TP 4 run's loss curve; the checkpoint it saves at the end records the placement.
 
 Two launches of pretrain_gpt on 4 ranks (about 1 min on 2 cores): the reference (TP 4, STEPS steps) and the
 escalating job (`--escalate.mode on`, ranks 1 and 3 virtual devices at full speed, DELAY_MS late to each
@@ -15,10 +15,11 @@ Run: ``python -m pytest tests/distributed/test_escalation_placement.py -q``
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
-from harness import GPT_MODEL, compare_steps, metrics_job, read_records, short_run, torchrun
+from harness import GPT_MODEL, compare_steps, late_ranks, metrics_job, read_records, short_run, torchrun
 
 STEPS, DELAY_MS = 14, 3
 MEMORY_GIB = 0.0022
@@ -26,13 +27,9 @@ MEMORY_GIB = 0.0022
 TP 1 x DP 4 (~2.9 MB)."""
 COMMON = [*GPT_MODEL, *short_run(STEPS), "--parallel.tp", "4"]
 ESCALATE = [
-    "--escalate.mode", "on",
-    "--escalate.window", "3",
-    "--escalate.memory_gib", str(MEMORY_GIB),
-    "--device.profile", "static:1,1,1,1",
-    "--device.collective_delay_ms", f"0,{DELAY_MS},0,{DELAY_MS}",
-    "--device.rate_gflops", "1000",
-]  # fmt: skip
+    *("--escalate.mode", "on", "--escalate.window", "3", "--escalate.memory_gib", str(MEMORY_GIB)),
+    *late_ranks(0, DELAY_MS, 0, DELAY_MS),
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +37,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory, gpt_data: list[str]) -> dict:
     out = tmp_path_factory.mktemp("placement")
     ref_args, ref = metrics_job(out, "ref", [*COMMON, *gpt_data])
     torchrun("../../pretrain_gpt.py", 4, ref_args, cwd=out, timeout=400)
-    esc_args, esc = metrics_job(out, "esc", [*COMMON, *gpt_data, *ESCALATE])
+    save = ["--train.save", str(out / "ck"), "--train.save_interval", str(STEPS)]
+    esc_args, esc = metrics_job(out, "esc", [*COMMON, *gpt_data, *ESCALATE, *save])
     log = torchrun("../../pretrain_gpt.py", 4, esc_args, cwd=out, timeout=400)
-    return {"ref": read_records(ref), "esc": read_records(esc), "log": log}
+    meta = json.loads((out / "ck" / f"iter_{STEPS:07d}" / "megahet.json").read_text())
+    return {"ref": read_records(ref), "esc": read_records(esc), "log": log, "saved": meta["layout"]}
 
 
 def test_two_late_ranks_share_one_tp_group_after_the_move_on_the_loss_curve(runs: dict) -> None:
@@ -59,6 +58,8 @@ def test_two_late_ranks_share_one_tp_group_after_the_move_on_the_loss_curve(runs
     )
     assert len(moved) == 1, log[-4000:]
     assert "megahet gpt: world 4 = TP 2 x PP 1 x DP 2 (TP groups strided)" in log, log[-4000:]
+    # the checkpoint saved on the strided groups says so (a resume reshards it: tests/unit/test_elastic.py)
+    assert runs["saved"] == {"tp": 2, "pp": 1, "dp": 2, "zero_stage": 1, "strided": True}, runs["saved"]
     compare_steps(
         "escalation_placement",
         runs["esc"],

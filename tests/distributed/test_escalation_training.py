@@ -34,6 +34,7 @@ from harness import (
     GPT_MODEL,
     LaunchError,
     compare_steps,
+    late_ranks,
     launch,
     metrics_job,
     read_records,
@@ -51,13 +52,14 @@ RETURN_AT = 9
 TP2, DP2 = "TP 2 x PP 1 x DP 1", "TP 1 x PP 1 x DP 2"
 COMMON = [*GPT_MODEL, *short_run(STEPS), "--parallel.tp", "2"]
 ESCALATE = [
-    "--escalate.mode", "on",
-    "--escalate.patience", "2",
-    "--escalate.window", "3",
-    "--device.profile", "static:1,1",
-    "--device.collective_delay_ms", f"0,{DELAY_MS}",
-    "--device.rate_gflops", "1000",
-]  # fmt: skip
+    "--escalate.mode",
+    "on",
+    "--escalate.patience",
+    "2",
+    "--escalate.window",
+    "3",
+    *late_ranks(0, DELAY_MS),
+]
 
 
 @pytest.fixture(scope="module")

@@ -73,6 +73,25 @@ def test_same_layout_does_not_reshard(argv: tuple, world: int, layout: dict) -> 
     assert fitted is cfg and note is None
 
 
+def test_a_checkpoint_saved_on_strided_tp_groups_reshards_and_reads_by_its_placement() -> None:
+    """An escalation's placement (megahet/policy/mesh.py) is in the layout a checkpoint records: the same
+    TP x PP x DP on megatron-core's consecutive groups holds other shards on each rank, so it reshards, and the
+    reader maps ranks to shards as they were saved."""
+    from megahet.checkpointing.sharded_state import saved_layout
+
+    cfg, strided = _cfg("--parallel.tp", "2"), {**_full(2, 1, 2), "strided": True}
+    assert needs_reshard(_resume(strided), cfg, 4)
+    meta = {"layout": strided, "model": dataclasses.asdict(cfg.model)}
+    layout = saved_layout(meta)
+    assert layout.strided and [layout.coords(r) for r in range(4)] == [
+        (0, 0, 0),
+        (1, 0, 0),
+        (0, 0, 1),
+        (1, 0, 1),
+    ]
+    assert not saved_layout({"layout": _full(2, 1, 2), "model": meta["model"]}).strided
+
+
 def test_other_dp_reshards_keeping_tp_pp() -> None:
     """4 -> 2 ranks at TP 2: TP 2 x PP 1 still fits, only DP changes (2 -> 1)."""
     cfg, resume = _cfg("--parallel.tp", "2"), _resume(_full(2, 1, 2))

@@ -78,14 +78,14 @@ class _Context:
 
 
 def _controller(
-    cap_bytes: float, log: list[str], tp: int = 4, strided: bool = False
+    cap_bytes: float, log: list[str], tp: int = 4, strided: bool = False, placement: bool = True
 ) -> tuple[EscalationController, _Context]:
     """Rank 0 of 4 at TP `tp` (4 layers, 8 micro-batches a step; the run's own TP is 4), escalation on at its
     defaults."""
     cfg = apply_overrides(
         MegahetConfig(),
         {"escalate.mode": "on", "train.global_batch_size": "8", "train.micro_batch_size": "1",
-         "train.train_iters": "1000", "model.num_layers": "4"},
+         "train.train_iters": "1000", "model.num_layers": "4", "escalate.placement": str(placement).lower()},
     )  # fmt: skip
     layout = ParallelLayout(
         rank=0, world_size=4, tp_rank=0, tp_size=tp, pp_rank=0, pp_size=1, dp_rank=0, dp_size=4 // tp,
@@ -150,6 +150,10 @@ def test_two_late_ranks_move_to_one_tp_group_and_are_measured_there():
     tp, shares, strided = ctx.requested[0]
     assert (tp, strided) == (2, True) and shares[0] > shares[1], ctx.requested
     assert any("TP 2 x DP 2 (shares" in line and "TP groups 0,2 | 1,3" in line for line in log), log
+
+    controller, ctx = _controller(tp2, [], placement=False)  # escalate.placement=false: consecutive groups
+    _run(controller, 5, late=(1, 3))
+    assert ctx.requested and ctx.requested[0][0] == 2 and not ctx.requested[0][2], ctx.requested
 
     controller, _ = _controller(math.inf, [], tp=2, strided=True)
     # rank 0 waited 3 ms a collective for its strided peer, rank 2 (consecutive groups would blame rank 1)

@@ -39,9 +39,13 @@ speed, own compute and per-collective delay, a collective's calm wait, the optim
 `predict_step_s`: the work at speed 1 split over the candidate's replicas by their speed (the DP shares a
 measured balancer would give them, whole micro-batches), plus its collectives (`step_collectives`, counted
 on megatron-core 0.16 and DeepSpeed 0.19 by CommClock, tests/distributed/test_escalation_training.py checks the
-count), each at the calm wait plus the delay of the latest rank it waits for.
+count), each at the calm wait plus the delay of the latest rank it waits for. At TP and DP both > 1 each
+placement of the TP groups is a choice of its own (`tp_groups`: megatron-core's consecutive ranks, or strided
+ones, which put two late ranks in one replica). `LayoutMemory` predicts a rank's memory on each layout, and
+`left_out_by_memory` names those over the cap.
 
-    other = best_layout(measured, world=2, current=(2, 1))     # (step_s, tp, dp, shares) of the best other
+    best = layout_choices(measured, tps=(1, 2, 4))[0]     # LayoutChoice: tp, dp, step_s, shares, strided
+    best.describe()                                      # "TP 2 x DP 2 (shares 10/6), TP groups 0,2 | 1,3"
 """
 
 from __future__ import annotations

@@ -18,7 +18,10 @@ start of the next step every rank folds the same rows in, so every rank decides 
   within a group), else each rank's compute against the others' (equal work);
 - the medians over `escalate.window` steps (a process's first step, a warm-up, is left out).
 
-With them `layout_choices` predicts every TP x DP layout of the world, and `EscalationLadder` decides: a
+With them `layout_choices` predicts every TP x DP layout of the world (and, with `escalate.placement`, each
+placement of its TP groups), those a rank's memory would not fit are left out (`escalate.memory_gib`, by
+default the smallest GPU's less plan.memory_reserve: the live model's state on each layout, plus on CUDA the
+activations the allocator's peak shows here, scaled by TP), and `EscalationLadder` decides: a
 straggler (slower than `balance.healthy_gap`, or later than `escalate.delay_floor_ms` to each collective)
 flagged at least `escalate.patience` steps in a row, the best other layout's predicted saving over
 `escalate.horizon` steps above the move's cost (the last move's, measured; before one, the build at start),

@@ -170,7 +170,7 @@ def regroup(tp: int, pp: int, seed: int, cp: int = 1, strided: bool = False) -> 
         **({"order": STRIDED_ORDER} if strided else {}),
     )  # fmt: skip
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    return dataclasses.replace(current_layout(), strided=strided)
+    return current_layout()
 
 
 def current_layout() -> ParallelLayout:
@@ -185,7 +185,17 @@ def current_layout() -> ParallelLayout:
         dp_size=ps.get_data_parallel_world_size(),
         cp_rank=ps.get_context_parallel_rank(),
         cp_size=ps.get_context_parallel_world_size(),
+        strided=_tp_groups_strided(),
     )
+
+
+def _tp_groups_strided() -> bool:
+    """Whether megatron-core's TP groups are strided over the ranks (`regroup(strided=True)`): read from
+    this rank's TP group, so the layout says where the rank really sits."""
+    if ps.get_tensor_model_parallel_world_size() == 1 or ps.get_data_parallel_world_size() == 1:
+        return False
+    ranks = dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())
+    return ranks[1] - ranks[0] != 1
 
 
 def destroy_parallel() -> None:

@@ -107,8 +107,8 @@ class Trainer:
         """Layers per pipeline stage a hook asked for (`request_split`): training stops after the step
         and `pretrain()` re-splits (megahet/runtime/resplit.py)."""
         self.pending_layout: tuple[int, tuple[int, ...], bool] | None = None
-        """The TP size, DP shares and placement (strided TP groups) an escalation asked for (`request_layout`): training stops after the step
-        and `pretrain()` moves to TP x DP in place (megahet/runtime/relayout.py)."""
+        """The TP size, DP shares and placement (strided TP groups) an escalation asked for (`request_layout`):
+        training stops after the step and `pretrain()` moves to TP x DP in place (megahet/runtime/relayout.py)."""
         self.last_saved = -1
         self.build_s = 0.0
         self.last_resplit = None

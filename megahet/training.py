@@ -147,8 +147,7 @@ def train_to_end(trainer: Trainer, spec: TaskSpec) -> tuple[Trainer, list[dict[s
     logger, extra = trainer.logger, trainer.extra_hooks
 
     def rebuild(plan: RunPlan, restore, resplits: int) -> Trainer:  # on the groups as they are now
-        layout = dataclasses.replace(current_layout(), strided=plan.strided)
-        return build_trainer(plan, spec, layout, None, logger, resplits, extra, restore)
+        return build_trainer(plan, spec, current_layout(), None, logger, resplits, extra, restore)
 
     history = trainer.train()
     while trainer.pending_move and trainer.iteration < trainer.cfg.train.train_iters:

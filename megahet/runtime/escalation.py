@@ -168,11 +168,11 @@ class EscalationController(MeasuringHook):
     def _check_memory(self) -> None:
         """At start, a one-line ConfigError when no other layout's weights, gradients and optimizer state
         fit (the activations are measured later; every rank computes the same, with the same cap)."""
+        if self.layout.tp_size != self.home_tp:  # a moved-to layout: checked at the start
+            return
         state = dataclasses.replace(self.memory, activations=0)
         world = self.layout.world_size
         left_out = left_out_by_memory(state, self.tps, world, self.cap_bytes, self.home_tp)
-        if self.layout.tp_size != self.home_tp:
-            return
         sizes = ", ".join(
             f"TP {t} x DP {world // t} {state.bytes(t, world // t) / 2**30:.3g}" for t in self.tps
         )

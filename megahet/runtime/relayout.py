@@ -28,7 +28,6 @@ from collections.abc import Callable
 
 from megahet.checkpointing import checkpoint
 from megahet.parallel import regroup
-from megahet.policy.reshard_plan import Layout
 from megahet.run_plan import RunPlan
 from megahet.runtime.resplit import describe, move_state
 
@@ -37,15 +36,14 @@ def relayout(trainer, rebuild: Callable[[RunPlan, checkpoint.Restore, int], obje
     """Move `trainer` to `trainer.pending_layout` (TP, DP shares, strided TP groups; all ranks call it after the
     same step); returns the Trainer of the new layout (`rebuild`: from the new plan, on the rebuilt groups), at
     the same step."""
-    plan, logger, step, layout = trainer.plan, trainer.logger, trainer.iteration, trainer.layout
+    plan, logger, step = trainer.plan, trainer.logger, trainer.iteration
     new_plan = plan.with_layout(*trainer.pending_layout)
     seed = plan.cfg.train.seed
-    old = Layout(layout.tp_size, layout.pp_size, layout.dp_size, tuple(plan.split), strided=layout.strided)
     new_trainer, cost, moves = move_state(
         trainer, new_plan, rebuild, carried=lambda hook: hook.layout_free,
         regroup=lambda: regroup(new_plan.tp, new_plan.pp, seed, strided=new_plan.strided),
     )  # fmt: skip
-    new = Layout(new_plan.tp, new_plan.pp, new_plan.dp, tuple(new_plan.split), strided=new_plan.strided)
+    old, new = moves.old, moves.new
     for hook in new_trainer.step_hooks:
         hook.relayout_done(cost)
     logger.print(

@@ -201,10 +201,10 @@ class DataParallelBalancer(MeasuringHook):
         return {"dp_share_changes": float(self.changes)}
 
     def report(self) -> dict[str, float]:
-        """Per replica: estimated speed and micro-batches of the global batch (the same on every rank)."""
+        """Per replica: estimated speed (once measured) and micro-batches of the global batch (the same on
+        every rank)."""
         self._collect()
-        speeds = self.replica_speeds() or [float("nan")] * len(self.shares)
-        out = {f"speed_dp{r}": s for r, s in enumerate(speeds)}
+        out = {f"speed_dp{r}": s for r, s in enumerate(self.replica_speeds() or ())}
         out.update({f"share_dp{r}": float(n) for r, n in enumerate(self.shares)})
         return out
 

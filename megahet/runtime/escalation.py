@@ -33,7 +33,8 @@ Every decision is logged (metrics `escalate_inside_s`, `escalate_other_s`, `esca
     escalation step 9: move (the straggler persists; gain over the horizon 41.3 s, move 1.9 s): TP 2 x DP 1
     0.612 s a step (predicted 0.598), TP 1 x DP 2 (shares 2/2) predicted 0.201, delay 3.02 ms, speeds 1.00 0.98
 
-The ladder's state (on which layout, the streaks) and the last move's cost cross the move (`layout_free`).
+The ladder's state (on which layout, the streaks), the last move's cost and the layouts left out (printed
+once) cross the move (`layout_free`).
 """
 
 from __future__ import annotations
@@ -237,7 +238,7 @@ class EscalationController(MeasuringHook):
         ladder = self.ladder
         return {
             "moved": ladder.moved, "flagged": ladder.flagged, "calm": ladder.calm, "lost_s": ladder.lost_s,
-            "move_s": self.move_s,
+            "move_s": self.move_s, "left_out": dict(self.left_out),
         }  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
@@ -245,6 +246,7 @@ class EscalationController(MeasuringHook):
         ladder.moved, ladder.flagged, ladder.calm = state["moved"], state["flagged"], state["calm"]
         ladder.lost_s = state["lost_s"]
         self.move_s = state["move_s"]
+        self.left_out = dict(state.get("left_out", {}))  # printed once: a move does not print it again
 
 
 def layout_memory(model: torch.nn.Module, tp: int, precision: str) -> LayoutMemory:

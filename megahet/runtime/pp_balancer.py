@@ -203,10 +203,9 @@ class PipelineBalancer(MeasuringHook):
         return {"pp_resplits": float(self.resplits), **self.decision}
 
     def report(self) -> dict[str, float]:
-        """Per stage: measured speed per layer and layers (the same on every rank)."""
+        """Per stage: measured speed per layer (once measured) and layers (the same on every rank)."""
         self._collect()
-        speeds = self.stage_speeds() or [float("nan")] * len(self.split)
-        out = {f"speed_pp{s}": v for s, v in enumerate(speeds)}
+        out = {f"speed_pp{s}": v for s, v in enumerate(self.stage_speeds() or ())}
         out.update({f"layers_pp{s}": float(n) for s, n in enumerate(self.split)})
         return out
 

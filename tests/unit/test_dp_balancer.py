@@ -130,6 +130,17 @@ def test_the_first_step_is_a_warm_up_not_a_sample() -> None:
         assert balancer.shares == (8, 8), (step, balancer.shares)
 
 
+def test_the_report_shows_speeds_once_measured() -> None:
+    """Before any sample (a run's first step, or the first after a move) the shares only: a NaN speed printed
+    "dp speed nan nan" and wrote NaN, which is not JSON, to the metrics file."""
+    balancer = _balancer(False, (8, 8), window=1)
+    assert balancer.report() == {"share_dp0": 8.0, "share_dp1": 8.0}
+    for step in range(3):
+        _step(balancer, step, [0.1, 0.2], [0.0, 0.0])
+    report = balancer.report()
+    assert report["speed_dp0"] == 1.0 and 0.4 < report["speed_dp1"] < 0.6, report
+
+
 def test_one_outlier_before_the_window_is_full_moves_nothing() -> None:
     """The first decision waits for a full window (3): an outlier in the first measured step is outvoted
     by the median, where a decision on it alone would have moved the shares."""

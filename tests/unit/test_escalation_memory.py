@@ -127,6 +127,14 @@ def test_a_late_rank_moves_the_job_to_the_fastest_layout_that_fits():
     assert len(left_out) == 1 and left_out[0].startswith("escalation: TP 1 x DP 4 needs"), log
     assert any("move" in line and "TP 2 x DP 2" in line for line in log), log
 
+    # the move rebuilds the hooks; the new layout's controller takes the old one's state and does not print
+    # what was left out a second time
+    log = []
+    moved, _ = _controller(tp2, log, tp=2)
+    moved.carry(controller.state_dict())
+    _run(moved, 5)
+    assert moved.ladder.moved and not [line for line in log if line.endswith("left out")], log
+
 
 def test_no_other_layout_that_fits_is_a_one_line_error_at_start():
     with pytest.raises(ConfigError) as error:

@@ -160,7 +160,7 @@ def cp_placement(cfg: MegahetConfig, stream: PackedStream) -> CPPlacement | None
     return CPPlacement(
         cost_of=lambda: stream.cost, speeds=speeds, measured=measured, cp_rank=cp_rank(),
         group=ps.get_tensor_and_context_parallel_group(),  # the ranks whose plans must agree
-        block=p.cp_block, kv_cost=KV_COST, window=cfg.balance.window,
+        block=p.cp_block, kv_cost=KV_COST, window=cfg.balance.window, cfg=p,
     )  # fmt: skip
 
 

@@ -18,6 +18,9 @@ megahet/policy/cp_placement.py, the layout and attention megahet/models/cp_place
   given less of the next steps' work whatever made it slow.
 - **Report.** `speed_cp<r>` per CP rank and `cp_kv_tokens` (the key / value tokens this rank received
   per layer in the last step) with every log line.
+- **Checkpoints** carry the speeds and the window's samples, so a resumed run places its next step as the
+  uninterrupted run would; a run resumed with other parallel settings (`cfg`, but for `cp_block`) measures
+  anew.
 
     runtime = CPPlacement(cost_of=lambda: stream.cost, speeds=(1.0, 1.0), measured=True, cp_rank=0,
                           group=tp_and_cp_group, block=2048, kv_cost=0.1, window=3)
@@ -39,7 +42,11 @@ from megahet.runtime.hooks import MeasuringHook
 
 class CPPlacement(MeasuringHook):
     """The dynamic placement of this run's packed micro-batches, and the CP ranks' speeds it plans with;
-    `group`: the ranks whose plans must agree (TP x CP), over which the measurements are gathered."""
+    `group`: the ranks whose plans must agree (TP x CP), over which the measurements are gathered; `cfg`:
+    the run's parallel settings, which the checkpointed speeds belong to."""
+
+    checkpointed = True
+    settings_free = ("cp_block",)  # the blocks change the plans, not the ranks' speeds
 
     def __init__(
         self,
@@ -51,7 +58,9 @@ class CPPlacement(MeasuringHook):
         block: int,
         kv_cost: float,
         window: int,
+        cfg=None,
     ):
+        self.cfg = cfg
         self.cost_of, self.measured, self.cp_rank, self.group = cost_of, measured, cp_rank, group
         self.speeds = tuple(float(v) for v in speeds)
         self.block, self.kv_cost = block, kv_cost
@@ -103,6 +112,20 @@ class CPPlacement(MeasuringHook):
             yield
         finally:
             self.counting = True
+
+    def state_dict(self) -> dict:
+        self._collect()  # the last step's measurement, folded in as the next step would
+        return {"speeds": list(self.speeds), "samples": [list(s) for s in self.window.samples]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["speeds"]) != len(self.speeds):  # the settings (parallel.cp) are checked before
+            raise ValueError(
+                f"saved speeds are for {len(state['speeds'])} CP ranks, this run has {len(self.speeds)}"
+            )
+        self.speeds = tuple(float(v) for v in state["speeds"])
+        for samples, saved in zip(self.window.samples, state["samples"]):
+            samples.clear()
+            samples.extend(saved)
 
     def report(self) -> dict[str, float]:
         out = {f"speed_cp{r}": v for r, v in enumerate(self.speeds)}

@@ -14,7 +14,7 @@ Packed documents (`data.packing documents`): the Llama shape at CP 4 against one
 a multiple of 8 and split over the 4 ranks (rotary positions per document by megatron-core's thd path); the
 CP run also profiles the document cost at start-up on its own chunks. And at TP 2 x CP 2 with dynamic
 placement by measured speed (documents whole or cut into blocks, rotary positions per token, keys and values
-sent only where needed).
+sent only where needed), which resumes from its step 2 with the measured speeds its checkpoint carries.
 
 Checkpoints do not depend on CP (ZeRO partitions over DP x CP, which DeepSpeed and the reshard see as DP):
 the CP 2 x DP 2 run saves at step 2, and resumes from there at CP 2 x DP 2 (bit for bit), at CP 4 x DP 1
@@ -22,7 +22,7 @@ the CP 2 x DP 2 run saves at step 2, and resumes from there at CP 2 x DP 2 (bit 
 partitions); steps 3 and 4 follow the uninterrupted run to fp32 tolerance, its validation loss too where
 the DP size (how many samples the evaluation reads) is the same.
 
-Run: python -m pytest tests/distributed/test_context_parallel.py -q   (about 2 minutes on 2 cores)
+Run: python -m pytest tests/distributed/test_context_parallel.py -q   (about 3 minutes on 2 cores)
 """
 
 from __future__ import annotations
@@ -100,19 +100,38 @@ def test_packed_llama_documents_placed_by_measured_speed_at_tp2_x_cp2_train_as_o
     spread by the CP ranks' measured speeds, rotary positions per token, keys and values sent only where
     needed (each TP rank exchanges its own heads' with its CP peer); ZeRO-1 partitions over the 2 CP
     ranks, which sum their gradients; the evaluation is placed too. Every step logs the speeds it measured
-    and the keys and values rank 0 received."""
+    and the keys and values rank 0 received. Resumed from its step 2, the run places step 3 with the speeds
+    the checkpoint carries: the ones the uninterrupted run placed it with."""
     placed = ["--parallel.tp", "2", "--parallel.cp", "2", "--parallel.cp_placement", "dynamic"]
     placed += ["--parallel.cp_speeds", "measured", "--parallel.cp_block", "16", "--balance.window", "1"]
     placed += ["--data.doc_cost", "2e-7,1e-6,1e-4"]
-    split = _curves(tmp_path / "placed", gpt_data, LLAMA_MODEL, 4, [*PACKED, *placed])
+    saves = ["--train.save", str(tmp_path / "ck"), "--train.save_interval", "2"]
+    split = _curves(tmp_path / "placed", gpt_data, LLAMA_MODEL, 4, [*PACKED, *placed, *saves])
     _same("packed llama placed tp2 x cp2", split, packed_reference)
     records = read_records(tmp_path / "placed" / "torchrun.jsonl")
-    speeds = [
-        (r["speed_cp0"], r["speed_cp1"]) for step, r in records.items() if step > 1 and "speed_cp0" in r
-    ]
-    assert speeds and all(0 < min(v) and max(v) == 1.0 for v in speeds), speeds  # the fastest is 1
-    assert any(v != (1.0, 1.0) for v in speeds), f"the speeds were never measured: {speeds}"
+    speeds = {step: (r["speed_cp0"], r["speed_cp1"]) for step, r in records.items() if "speed_cp0" in r}
+    measured = [v for step, v in speeds.items() if step > 1]
+    assert measured and all(0 < min(v) and max(v) == 1.0 for v in measured), speeds  # the fastest is 1
+    assert any(v != (1.0, 1.0) for v in measured), f"the speeds were never measured: {speeds}"
     assert any(r.get("cp_kv_tokens", 0) > 0 for r in records.values()), "no document was cut across ranks"
+
+    start_from_copy(tmp_path / "ck", tmp_path / "resumed_ck", "iter_0000002")
+    args = [
+        *LLAMA_MODEL,
+        *short_run(STEPS),
+        *gpt_data,
+        *PACKED,
+        *placed,
+        "--train.load",
+        str(tmp_path / "resumed_ck"),
+    ]
+    args, metrics = metrics_job(tmp_path, "resumed", args)
+    torchrun(SCRIPT, 4, args, cwd=tmp_path, timeout=420)
+    resumed = read_records(metrics)
+    assert (resumed[3]["speed_cp0"], resumed[3]["speed_cp1"]) == speeds[3], (resumed[3], speeds)
+    for key in ("loss", "grad_norm"):
+        actual = torch.tensor([resumed[s][key] for s in (3, 4)], dtype=torch.float64)
+        compare("placed tp2 x cp2 resume", key, actual, split[key][2:], rtol=2e-5, atol_scale=1e-6)
 
 
 @pytest.mark.parametrize(

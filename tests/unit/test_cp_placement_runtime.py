@@ -87,3 +87,24 @@ def test_the_console_line_prints_the_cp_speeds_and_received_tokens() -> None:
     placement.last_kv_tokens = 3072
     line = format_console_line(5, 10, {"loss": 2.0, **placement.report()})
     assert line == "step      5/10 | loss 2.0000 | cp speed 1.00 0.47 | cp kv 3072"
+
+
+def test_a_checkpoint_carries_the_measured_speeds_and_the_window() -> None:
+    """Saved after a step whose measurement is still in flight: it is folded in first (as the next step
+    would), and the resumed placement plans with the same speeds and goes on from the same samples."""
+    placement = runtime(window=3)
+    gathered(placement, [(1.0, 1.0), (2.0, 1.0)])
+    placement.before_forward_backward(1)
+    gathered(placement, [(1.0, 1.0), (4.0, 1.0)])  # in flight at the save
+    state = placement.state_dict()
+    assert state["speeds"] == [1.0, 0.375] and state["samples"] == [[1.0, 1.0], [0.5, 0.25]]
+
+    resumed = runtime(window=3)
+    resumed.load_state_dict(state)
+    assert resumed.speeds == (1.0, 0.375)
+    assert resumed.placer(LENGTHS).tokens() == placement.placer(LENGTHS).tokens()
+    gathered(resumed, [(1.0, 1.0), (4.0, 1.0)])  # the third sample: the median of 0.5, 0.25, 0.25
+    resumed.before_forward_backward(2)
+    assert resumed.speeds == (1.0, 0.25)
+    with pytest.raises(ValueError, match="saved speeds are for 2 CP ranks, this run has 4"):
+        runtime(speeds=(1.0,) * 4).load_state_dict(state)

@@ -276,7 +276,7 @@ def _validate_context_parallel(cfg: MegahetConfig) -> None:
     unsupported = {
         "balance.mode / balance.trace (the balancers measure TP x DP groups)": cfg.balance.active,
         "resize.*": cfg.resize.active,
-        "hetero.*": cfg.hetero.active or cfg.hetero.pp_active or bool(cfg.hetero.speeds),
+        "hetero.pp_split (the pipeline balancer)": cfg.hetero.pp_active,
         "device.profile": bool(cfg.device.profile),
     }
     for what, used in unsupported.items():

@@ -92,12 +92,14 @@ def check_world_size(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
     return world_size // (tp * pp * cp)
 
 
-def mesh_coords(world_size: int, tp: int, pp: int, strided: bool = False) -> list[tuple[int, int, int]]:
+def mesh_coords(
+    world_size: int, tp: int, pp: int, strided: bool = False, cp: int = 1
+) -> list[tuple[int, int, int]]:
     """(dp, pp, tp) of every global rank as megatron-core lays the mesh out (its default order
-    "tp-cp-ep-dp-pp": TP fastest, then DP, then PP; `strided`: DP fastest), known before any process group
-    starts."""
-    dp = check_world_size(world_size, tp, pp)
-    return [coords_of(rank, tp, dp, strided) for rank in range(world_size)]
+    "tp-cp-ep-dp-pp": TP fastest, then CP, then DP, then PP; `strided`: DP fastest), known before any
+    process group starts; the `cp` CP ranks of a position share its coordinates."""
+    dp = check_world_size(world_size, tp, pp, cp)
+    return [coords_of(rank, tp, dp, strided, cp) for rank in range(world_size)]
 
 
 def _init_process_group(timeout_minutes: int) -> None:

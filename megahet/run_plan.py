@@ -162,12 +162,16 @@ def escalation_layouts(cfg: MegahetConfig, world: int) -> tuple[int, ...]:
 
 
 def declared_by_coords(cfg: MegahetConfig, world_size: int) -> dict[RankCoords, float]:
-    """hetero.speeds (validated) by each rank's (dp, pp, tp) coordinates; {} when unset."""
+    """hetero.speeds (validated) by each rank's (dp, pp, tp) coordinates; {} when unset. The CP ranks of a
+    position (context parallelism) count as their slowest: they exchange keys and values every layer."""
     if not cfg.hetero.speeds:
         return {}
     p = cfg.parallel
     speeds = parse_declared_speeds(cfg.hetero.speeds, world_size, ranks_per_node(world_size))
-    return dict(zip(mesh_coords(world_size, p.tp, p.pp), speeds, strict=True))
+    out: dict[RankCoords, float] = {}
+    for coords, speed in zip(mesh_coords(world_size, p.tp, p.pp, cp=p.cp), speeds, strict=True):
+        out[coords] = min(out.get(coords, speed), speed)
+    return out
 
 
 def _starting_shares(

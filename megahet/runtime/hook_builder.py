@@ -74,15 +74,15 @@ def _escalation(plan: RunPlan, trainer, balancer, dp_balancer) -> StepHook:
 
 
 def _rank_coords(trainer) -> list:
-    """Every rank's (dp, pp, tp) as the plan assumed (megatron-core's tp-dp-pp order), checked against
+    """Every rank's (dp, pp, tp) as the plan assumed (megatron-core's tp-cp-dp-pp order), checked against
     this rank's own place in megatron-core's groups (no collective: each rank checks itself)."""
     layout = trainer.layout
-    coords = mesh_coords(layout.world_size, layout.tp_size, layout.pp_size, layout.strided)
+    coords = mesh_coords(layout.world_size, layout.tp_size, layout.pp_size, layout.strided, layout.cp_size)
     mine = (layout.dp_rank, layout.pp_rank, layout.tp_rank)
     if coords[layout.rank] != mine:
         raise RuntimeError(
             f"megatron-core placed rank {layout.rank} at (dp, pp, tp) {mine}, not {coords[layout.rank]}: its "
-            "rank order is not tp-dp-pp"
+            "rank order is not tp-cp-dp-pp"
         )
     return coords
 

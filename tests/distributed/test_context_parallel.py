@@ -8,7 +8,9 @@ run without CP to fp32 tolerance:
   reads DP x its iterations' samples): gradients summed over CP and averaged over DP by DeepSpeed (the CP
   ranks are its sequence-parallel ranks); and at CP 2 x PP 2 against PP 2 (a pipeline run initializes
   each stage's layers from its own seed stream, so it is compared with a pipeline run);
-- the Llama shape (rotary positions, grouped-query attention, SwiGLU) at TP 2 x CP 2 against one rank.
+- the Llama shape (rotary positions, grouped-query attention, SwiGLU) at TP 2 x CP 2 against one rank;
+- CP 2 x DP 2 with uneven DP shares (replica 1 declared at half speed: 3 and 1 micro-batches) against the
+  even CP 2 x DP 2 run.
 
 Packed documents (`data.packing documents`): the Llama shape at CP 4 against one rank, each document padded to
 a multiple of 8 and split over the 4 ranks (rotary positions per document by megatron-core's thd path); the
@@ -77,6 +79,18 @@ def test_gpt_at_cp2_trains_as_without_cp(tmp_path, gpt_data, cp2_dp2, other):
     _same(f"gpt cp2 x {other}", split, reference)
 
 
+def test_replicas_of_cp_ranks_take_shares_of_the_batch_by_speed(tmp_path, gpt_data, cp2_dp2):
+    """CP 2 x DP 2 with replica 1's ranks (2 and 3) declared at half speed: replica 0 runs 3 of the 4
+    micro-batches, replica 1 one; the DP balancer measures each replica over its CP ranks (megatron-core's
+    tp-cp-dp-pp order). The steps equal the even run's (itself equal to DP 2 without CP) to fp32 tolerance."""
+    shares = ["--hetero.speeds", "1,1,0.5,0.5", "--hetero.dp_shares", "declared"]
+    split = _curves(tmp_path / "shares", gpt_data, GPT_MODEL, 4, ["--parallel.cp", "2", *shares])
+    _same("gpt cp2 x dp2 shares 3/1", split, cp2_dp2[1])
+    records = read_records(tmp_path / "shares" / "torchrun.jsonl")
+    assert all((r["share_dp0"], r["share_dp1"]) == (3, 1) for s, r in records.items() if "loss" in r), records
+    assert all("speed_dp1" in r for s, r in records.items() if s > 1 and "loss" in r), records
+
+
 PACKED = ["--model.seq_length", "128", "--data.packing", "documents", "--data.max_tokens", "128"]
 PACKED += ["--train.micro_batch_size", "1"]  # after short_run's
 
@@ -132,6 +146,24 @@ def test_packed_llama_documents_placed_by_measured_speed_at_tp2_x_cp2_train_as_o
     for key in ("loss", "grad_norm"):
         actual = torch.tensor([resumed[s][key] for s in (3, 4)], dtype=torch.float64)
         compare("placed tp2 x cp2 resume", key, actual, split[key][2:], rtol=2e-5, atol_scale=1e-6)
+
+
+def test_packed_documents_over_measured_replicas_then_cp_ranks_train_as_one_rank(
+    tmp_path, gpt_data, packed_reference
+):
+    """The two-stage assignment at CP 2 x DP 2: each step's documents go to the replicas by their measured
+    speed (the DP balancer, over each replica's CP ranks), are packed into micro-batches, and each micro-batch
+    is placed over its replica's CP ranks by their measured speed."""
+    placed = ["--parallel.cp", "2", "--parallel.cp_placement", "dynamic", "--parallel.cp_speeds", "measured"]
+    placed += ["--parallel.cp_block", "16", "--balance.window", "1", "--data.doc_cost", "2e-7,1e-6,1e-4"]
+    placed += ["--hetero.dp_shares", "measured", "--hetero.window", "1"]
+    split = _curves(tmp_path / "two_stage", gpt_data, LLAMA_MODEL, 4, [*PACKED, *placed])
+    for key in ("loss", "grad_norm"):  # DP 2 evaluates twice the validation samples
+        compare("packed llama cp2 x dp2, measured replicas", key, split[key], packed_reference[key],
+                rtol=2e-5, atol_scale=1e-6)  # fmt: skip
+    records = read_records(tmp_path / "two_stage" / "torchrun.jsonl")
+    steps = [r for s, r in records.items() if s > 2 and "loss" in r]
+    assert steps and all("speed_dp1" in r and "speed_cp1" in r for r in steps), records
 
 
 @pytest.mark.parametrize(

@@ -230,11 +230,20 @@ def test_cp_counts_in_the_world_and_not_in_dp() -> None:
         ({"balance.trace": "t.jsonl"}, ("balance.trace",)),
         ({"resize.gamma": "0:0.5"}, ("resize.*",)),
         ({"device.profile": "static:1,0.5"}, ("device.profile",)),
+        ({"parallel.pp": 2, "hetero.pp_split": "measured"}, ("hetero.pp_split",)),
     ],
 )
 def test_what_cp_does_not_run_with_yet_gets_a_one_line_error(overrides: dict, needles: tuple) -> None:
     cfg = _cfg(**{"parallel.cp": 2, "model.seq_length": 32, **overrides})
     _invalid(cfg, 4, "parallel.cp 2", *needles)
+
+
+def test_cp_runs_with_data_parallel_shares() -> None:
+    """Replicas of CP ranks get shares of the batch by declared or measured speed (issue 28's first stage)."""
+    for shares in ("declared", "measured"):
+        cfg = _cfg(**{"parallel.cp": 2, "model.seq_length": 32, "hetero.dp_shares": shares,
+                      "hetero.speeds": "1,1,0.5,0.5"})  # fmt: skip
+        assert validate(cfg, 4) == 2
 
 
 def test_cp_saves_and_resumes_checkpoints() -> None:

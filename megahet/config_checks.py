@@ -274,10 +274,7 @@ def _validate_context_parallel(cfg: MegahetConfig) -> None:
         "parallelism): set model.attention sdpa",
     )
     unsupported = {
-        "balance.mode / balance.trace (the balancers measure TP x DP groups)": cfg.balance.active,
-        "resize.*": cfg.resize.active,
         "hetero.pp_split (the pipeline balancer)": cfg.hetero.pp_active,
-        "device.profile": bool(cfg.device.profile),
     }
     for what, used in unsupported.items():
         _require(not used, f"parallel.cp {p.cp} does not run with {what} yet: set parallel.cp 1 for it")

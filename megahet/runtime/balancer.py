@@ -17,7 +17,10 @@ runs the same pure planner (`megahet.policy.planner.balance`: static, resize, mi
 hysteresis and a return to the even split when the group is healthy), so the resulting plan is
 identical everywhere. The ResizeController turns the targets into units at the next step.
 
-Every TP group of every pipeline stage balances itself (blocks and speeds are stage-local).
+Every TP group of every pipeline stage balances itself (blocks and speeds are stage-local). With context
+parallelism the CP ranks of a TP group's position run one plan: they exchange the keys and values of the
+same heads every layer, so a head kept, dropped or migrated on one must be so on all. The gather then spans
+the stage's TP x DP x CP ranks, and each TP rank of a replica is measured at its slowest CP rank.
 
 Telemetry (`report()`, logged by the logging rank for its stage's first DP replica): per TP rank the
 estimated speed (`speed_tpR`), dropped fraction (`gamma_tpR`) and migrated units (`moved_tpR`:
@@ -158,13 +161,13 @@ class BalanceController(MeasuringHook):
         self._flops0 = self.resize.executor.executed_flops()
 
     def after_step(self, engine) -> None:
-        """Measure this step and start gathering it over the stage's TP x DP ranks (asynchronously: the
+        """Measure this step and start gathering it over the stage's TP x DP (x CP) ranks (asynchronously: the
         few numbers travel while the step finishes; `_collect` waits for them)."""
         work = 3.0 * (self.resize.executor.executed_flops() - self._flops0)  # forward + 2x backward
         t = self.ctx.times
         where, times = [self.layout.dp_rank, self.layout.tp_rank], [t.layers_s, t.compute_s, t.wait_s]
         mine = torch.tensor([*where, work, *times, t.fixed_s, t.optimizer_s], dtype=torch.float64)
-        self._gather(mine, ps.get_tensor_and_data_parallel_group())
+        self._gather(mine, ps.get_tensor_and_data_parallel_group(with_context_parallel=True))
 
     def _collect(self) -> None:
         """Wait for the pending gather; feed the estimators, the efficiency and the trace with it."""
@@ -172,7 +175,11 @@ class BalanceController(MeasuringHook):
         if gathered is None:
             return
         rows, step, step_s = gathered
-        table = {(int(r[0]), int(r[1])): r[2:] for r in rows}
+        table = {}  # (dp, tp) -> its row; with CP, the slowest CP rank's (its layers' own compute)
+        for r in rows:
+            key = (int(r[0]), int(r[1]))
+            if key not in table or r[3] > table[key][1]:
+                table[key] = r[2:]
         tp, dp = range(self.layout.tp_size), range(self.layout.dp_size)
         # [field][dp][tp]: work, layers' own compute, all own compute, collective waits, fixed work, and
         # the optimizer step's part of it

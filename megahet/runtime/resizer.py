@@ -97,12 +97,14 @@ class ResizeController(StepHook):
         )
 
     def _gather_scores(self) -> None:
-        """Scores of every TP rank's units, each averaged over that TP rank's DP replicas."""
+        """Scores of every TP rank's units, each averaged over that TP rank's DP replicas and CP ranks (the CP
+        ranks of a position drop the same heads: they exchange their keys and values)."""
         blocks = sorted(self.units)
         local = torch.from_numpy(np.concatenate([self._local_scores(b) for b in blocks]))
-        if self.layout.dp_size > 1:
-            dist.all_reduce(local, group=ps.get_data_parallel_group())
-            local /= self.layout.dp_size  # an unmeasured (inf) unit on any replica stays inf
+        copies = self.layout.dp_size * self.layout.cp_size
+        if copies > 1:
+            dist.all_reduce(local, group=ps.get_data_parallel_group(with_context_parallel=True))
+            local /= copies  # an unmeasured (inf) unit on any replica stays inf
         gathered = [torch.empty_like(local) for _ in range(self.layout.tp_size)]
         dist.all_gather(gathered, local, group=ps.get_tensor_model_parallel_group())
         for tp_rank, scores in enumerate(gathered):

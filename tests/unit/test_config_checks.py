@@ -226,16 +226,21 @@ def test_cp_counts_in_the_world_and_not_in_dp() -> None:
     [
         ({"model.seq_length": 30}, ("model.seq_length 30", "multiple of 4")),
         ({"model.attention": "local"}, ("model.attention sdpa",)),
-        ({"balance.mode": "semi"}, ("balance.mode",)),
-        ({"balance.trace": "t.jsonl"}, ("balance.trace",)),
-        ({"resize.gamma": "0:0.5"}, ("resize.*",)),
-        ({"device.profile": "static:1,0.5"}, ("device.profile",)),
         ({"parallel.pp": 2, "hetero.pp_split": "measured"}, ("hetero.pp_split",)),
     ],
 )
 def test_what_cp_does_not_run_with_yet_gets_a_one_line_error(overrides: dict, needles: tuple) -> None:
     cfg = _cfg(**{"parallel.cp": 2, "model.seq_length": 32, **overrides})
     _invalid(cfg, 4, "parallel.cp 2", *needles)
+
+
+def test_cp_runs_with_the_tp_balancer_resizing_and_virtual_devices() -> None:
+    for overrides in (
+        {"balance.mode": "semi"},
+        {"resize.gamma": "0:0.5"},
+        {"device.profile": "static:1,1,0.5,0.5"},
+    ):
+        assert validate(_cfg(**{"parallel.cp": 2, "model.seq_length": 32, **overrides}), 4) == 2
 
 
 def test_cp_runs_with_data_parallel_shares() -> None:

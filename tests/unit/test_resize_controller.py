@@ -194,3 +194,37 @@ def test_migration_is_planned_by_unit_work_of_the_attention_sequence(world1, mon
     unit_work = seen[-1][3]
     assert unit_work == ctrl.executor.unit_work(SEQ)
     assert unit_work[("attn", 1)] == ctrl.executor.unit_work(0)[("attn", 1)] + 4 * HN * SEQ  # the scores
+
+
+def test_unit_scores_average_over_the_data_and_context_parallel_copies(monkeypatch):
+    """Each rank scores units from its own gradients (its own tokens): the CP ranks of a position, like the DP
+    replicas, must agree on which heads to drop (they exchange those heads' keys and values), so the scores
+    are averaged over DP x CP before the TP ranks share them."""
+    from megahet.parallel import ParallelLayout
+    from megahet.runtime import resizer
+
+    controller = object.__new__(ResizeController)
+    controller.layout = ParallelLayout(
+        rank=0, world_size=4, tp_rank=0, tp_size=2, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1, cp_size=2
+    )
+    controller.units = {("attn", 0): 2}
+    controller.scores = {}
+    mine, peer = torch.tensor([1.0, 4.0], dtype=torch.float64), torch.tensor([3.0, 0.0], dtype=torch.float64)
+    monkeypatch.setattr(controller, "_local_scores", lambda block: mine.numpy().copy())
+    groups = []
+    monkeypatch.setattr(resizer.ps, "get_data_parallel_group", lambda **kw: groups.append(kw) or "dp x cp")
+    monkeypatch.setattr(resizer.ps, "get_tensor_model_parallel_group", lambda: "tp")
+
+    def all_reduce(tensor, group):  # the CP peer scored the units 3 and 0
+        assert group == "dp x cp"
+        tensor += peer
+
+    def all_gather(out, tensor, group):
+        for o in out:
+            o.copy_(tensor)
+
+    monkeypatch.setattr(resizer.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(resizer.dist, "all_gather", all_gather)
+    controller._gather_scores()
+    assert groups == [{"with_context_parallel": True}]
+    assert controller.scores[(("attn", 0), 1)].tolist() == [2.0, 2.0]  # the mean of both CP ranks' scores

@@ -1,0 +1,62 @@
+"""The TP balancer with context parallelism (issue 45): a slow TP rank's attention heads and MLP units migrate
+to its TP peer on every CP rank alike, and training stays exact.
+
+At TP 2 x CP 2, TP rank 1 runs on a virtual device at a quarter speed on CP rank 0 and at half speed on CP
+rank 1. The balancer gathers its measurements over TP x CP (each TP rank at its slowest CP rank), so both CP
+ranks run one plan, the quarter speed's: a head
+migrated on one is migrated on the other, and their all-gathers of keys and values stay the same size (two
+independent plans crashed gloo with mismatched sizes). `balance.mode migrate` is lossless, so the Llama shape
+(rotary positions, grouped-query heads whose key/value rows move with their query heads) trains as on one
+rank; the resizer's unit scores average over DP x CP, so a dropping mode drops the same heads on every CP
+rank.
+
+Run: python -m pytest tests/distributed/test_cp_balancing.py -q   (about 70 s on 2 cores)
+"""
+
+from __future__ import annotations
+
+from harness import LLAMA_MODEL, compare, read_records, short_run, torchrun_curves
+
+SCRIPT = "../../pretrain_gpt.py"
+STEPS = 6
+
+
+def test_a_slow_tp_rank_migrates_alike_on_every_cp_rank_and_training_stays_exact(tmp_path, gpt_data):
+    common = [*LLAMA_MODEL, *short_run(STEPS), *gpt_data]
+    (tmp_path / "ref").mkdir()
+    reference = torchrun_curves(SCRIPT, 1, common, STEPS, cwd=tmp_path / "ref", timeout=420)
+    balanced = [
+        "--parallel.tp",
+        "2",
+        "--parallel.cp",
+        "2",
+        "--balance.mode",
+        "migrate",
+        "--balance.window",
+        "1",
+    ]
+    # global ranks (TP fastest, then CP): TP rank 1 at 0.25 on CP rank 0, at 0.5 on CP rank 1
+    balanced += ["--device.profile", "static:1,0.25,1,0.5", "--device.rate_gflops", "1"]
+    (tmp_path / "cp").mkdir()
+    split = torchrun_curves(SCRIPT, 4, [*common, *balanced], STEPS, cwd=tmp_path / "cp", timeout=420)
+    for key in ("loss", "grad_norm", "val_loss"):
+        compare("llama tp2 x cp2, migrate", key, split[key], reference[key], rtol=2e-5, atol_scale=1e-6)
+    records = read_records(tmp_path / "cp" / "torchrun.jsonl")
+    moved = [r["moved_tp1"] for s, r in sorted(records.items()) if "moved_tp1" in r]
+    assert max(moved) > 0, f"the slow rank's units never migrated: {moved}"
+    slow = [r["speed_tp1"] for s, r in records.items() if s > 1 and "speed_tp1" in r]
+    assert min(slow) < 0.6, slow  # measured, not read from the profile
+
+
+def test_semi_drops_and_migrates_the_same_heads_on_every_cp_rank(tmp_path, gpt_data):
+    """SEMI resizes first (drops units by their priority scores, lossy) and migrates after, one plan on both CP
+    ranks (the scores average over them: tests/unit/test_resize_controller.py); the run completes."""
+    common = [*LLAMA_MODEL, *short_run(STEPS), *gpt_data]
+    semi = ["--parallel.tp", "2", "--parallel.cp", "2", "--balance.mode", "semi", "--balance.window", "1"]
+    semi += ["--device.profile", "static:1,0.25,1,0.5", "--device.rate_gflops", "1"]
+    (tmp_path / "cp").mkdir()
+    curves = torchrun_curves(SCRIPT, 4, [*common, *semi], STEPS, cwd=tmp_path / "cp", timeout=420)
+    assert len(curves["loss"]) == STEPS
+    records = read_records(tmp_path / "cp" / "torchrun.jsonl")
+    acted = [(r["gamma_tp1"], r["moved_tp1"]) for s, r in sorted(records.items()) if "gamma_tp1" in r]
+    assert any(gamma > 0 for gamma, _ in acted), f"SEMI never dropped a unit of the slow rank: {acted}"

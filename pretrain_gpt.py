@@ -157,10 +157,13 @@ def cp_placement(cfg: MegahetConfig, stream: PackedStream) -> CPPlacement | None
     if p.cp == 1 or p.cp_placement != "dynamic":
         return None
     speeds, measured = parse_cp_speeds(p.cp_speeds, p.cp)
+    # the ranks whose plans must agree: TP x CP; with pipeline stages every rank (a stage's CP rank holds the
+    # slices its neighbour stage's sends it)
+    group = ps.get_tensor_and_context_parallel_group() if p.pp == 1 else None
     return CPPlacement(
-        cost_of=lambda: stream.cost, speeds=speeds, measured=measured, cp_rank=cp_rank(),
-        group=ps.get_tensor_and_context_parallel_group(),  # the ranks whose plans must agree
+        cost_of=lambda: stream.cost, speeds=speeds, measured=measured, cp_rank=cp_rank(), group=group,
         block=p.cp_block, kv_cost=KV_COST, window=cfg.balance.window, cfg=p,
+        stage=ps.get_pipeline_model_parallel_rank(), stages=p.pp,
     )  # fmt: skip
 
 

@@ -256,10 +256,6 @@ def _validate_context_parallel(cfg: MegahetConfig) -> None:
             "parallel.cp > 1, parallel.cp_placement dynamic and data.packing documents",
         )
         _require(p.cp_block >= 1, f"parallel.cp_block must be a positive token count, got {p.cp_block}")
-        _require(
-            p.pp == 1,
-            f"parallel.cp_placement dynamic runs with parallel.pp 1 for now, got {p.pp}: use cp_placement static",
-        )
         parse_cp_speeds(p.cp_speeds, p.cp)
     if p.cp == 1:
         return

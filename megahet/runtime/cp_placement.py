@@ -14,8 +14,10 @@ megahet/policy/cp_placement.py, the layout and attention megahet/models/cp_place
   (asynchronously, folded in at the next step). A CP rank's time is its slowest TP rank's (they compute the
   same tokens), its speed the median over the last `balance.window` steps of predicted / measured, the
   fastest 1; every rank of the TP x CP group folds in the same gathered numbers, so the speeds, and the
-  plans, stay the same on every rank that must agree. A slow rank (another tenant on its core, an older GPU) is then
-  given less of the next steps' work whatever made it slow.
+  plans, stay the same on every rank that must agree. With pipeline stages the numbers are gathered over
+  every rank: each stage's CP ranks are compared with each other, and a CP rank runs at its slowest
+  stage's relative speed, so every stage places alike. A slow rank (another tenant on its core, an older
+  GPU) is then given less of the next steps' work whatever made it slow.
 - **Report.** `speed_cp<r>` per CP rank and `cp_kv_tokens` (the key / value tokens this rank received
   per layer in the last step) with every log line.
 - **Checkpoints** carry the speeds and the window's samples, so a resumed run places its next step as the
@@ -42,8 +44,10 @@ from megahet.runtime.hooks import MeasuringHook
 
 class CPPlacement(MeasuringHook):
     """The dynamic placement of this run's packed micro-batches, and the CP ranks' speeds it plans with;
-    `group`: the ranks whose plans must agree (TP x CP), over which the measurements are gathered; `cfg`:
-    the run's parallel settings, which the checkpointed speeds belong to."""
+    `group`: the ranks whose plans must agree, over which the measurements are gathered (TP x CP; with
+    pipeline stages, every rank: a stage's CP rank must hold the slices its neighbour stage sends it);
+    `stage`, `stages`: this rank's pipeline stage and their number; `cfg`: the run's parallel settings, which
+    the checkpointed speeds belong to."""
 
     checkpointed = True
     settings_free = ("cp_block",)  # the blocks change the plans, not the ranks' speeds
@@ -59,12 +63,16 @@ class CPPlacement(MeasuringHook):
         kv_cost: float,
         window: int,
         cfg=None,
+        stage: int = 0,
+        stages: int = 1,
     ):
         self.cfg = cfg
         self.cost_of, self.measured, self.cp_rank, self.group = cost_of, measured, cp_rank, group
+        self.stage, self.stages = stage, stages
         self.speeds = tuple(float(v) for v in speeds)
         self.block, self.kv_cost = block, kv_cost
-        self.window = MedianWindow(len(self.speeds), window)
+        self.window = MedianWindow(len(self.speeds) * stages, window)
+        """Per (stage, CP rank): speed-1 seconds per measured second."""
         self.predicted_s = 0.0  # this rank's slices this step, seconds at speed 1
         self.kv_tokens = self.last_kv_tokens = 0
         self.counting = True
@@ -83,7 +91,8 @@ class CPPlacement(MeasuringHook):
         self.step = step
 
     def after_step(self, engine) -> None:
-        mine = torch.tensor([self.ctx.times.compute_s, self.predicted_s, self.cp_rank], dtype=torch.float64)
+        times = [self.ctx.times.compute_s, self.predicted_s, self.cp_rank, self.stage]
+        mine = torch.tensor(times, dtype=torch.float64)
         self.last_kv_tokens, self.kv_tokens, self.predicted_s = self.kv_tokens, 0, 0.0
         if self.measured:
             self._gather(mine, self.group)
@@ -93,16 +102,22 @@ class CPPlacement(MeasuringHook):
         if taken is None:
             return
         rows, _, _ = taken
-        # Per CP rank, the slowest of its TP ranks (they compute the same tokens): speed-1 seconds per
-        # measured second; a CP rank that measured nothing gives no sample.
-        slowest = [[0.0, 0.0] for _ in self.speeds]  # per CP rank: (measured, predicted) seconds
-        for measured, predicted, cp in rows:
-            slot = slowest[int(cp)]
+        # Per (stage, CP rank), the slowest of its TP ranks (they compute the same tokens): speed-1 seconds
+        # per measured second; a CP rank that measured nothing gives no sample.
+        cps = len(self.speeds)
+        slowest = [[0.0, 0.0] for _ in range(cps * self.stages)]  # (measured, predicted) seconds
+        for measured, predicted, cp, stage in rows:
+            slot = slowest[int(stage) * cps + int(cp)]
             slot[0], slot[1] = max(slot[0], measured), max(slot[1], predicted)
         self.window.update([p / m if m > 0 and p > 0 else -1.0 for m, p in slowest])
         if self.window.ready:
+            # A stage's rates compare its own CP ranks (its layers' share of the work is the same for
+            # each); a CP rank runs one plan on every stage, at its slowest stage's relative speed.
             rates = self.window.medians()
-            self.speeds = tuple(r / max(rates) for r in rates)
+            per_stage = [rates[s * cps : (s + 1) * cps] for s in range(self.stages)]
+            relative = [[r / max(stage) for r in stage] for stage in per_stage]
+            speeds = [min(stage[c] for stage in relative) for c in range(cps)]
+            self.speeds = tuple(v / max(speeds) for v in speeds)
 
     @contextlib.contextmanager
     def evaluation(self):

@@ -24,7 +24,7 @@ the CP 2 x DP 2 run saves at step 2, and resumes from there at CP 2 x DP 2 (bit 
 partitions); steps 3 and 4 follow the uninterrupted run to fp32 tolerance, its validation loss too where
 the DP size (how many samples the evaluation reads) is the same.
 
-Run: python -m pytest tests/distributed/test_context_parallel.py -q   (about 3 minutes on 2 cores)
+Run: python -m pytest tests/distributed/test_context_parallel.py -q   (about 5 minutes on 2 cores)
 """
 
 from __future__ import annotations
@@ -164,6 +164,22 @@ def test_packed_documents_over_measured_replicas_then_cp_ranks_train_as_one_rank
     records = read_records(tmp_path / "two_stage" / "torchrun.jsonl")
     steps = [r for s, r in records.items() if s > 2 and "loss" in r]
     assert steps and all("speed_dp1" in r and "speed_cp1" in r for r in steps), records
+
+
+def test_packed_documents_placed_over_cp_ranks_of_pipeline_stages_train_as_without_cp(tmp_path, gpt_data):
+    """Dynamic placement at PP 2 x CP 2: every stage places each micro-batch the same way (one set of
+    measured CP speeds, gathered over all ranks: each CP rank at its slowest stage), so a stage's CP rank
+    receives from the previous stage the slices it holds (megatron-core's variable-length sends). Against
+    the packed Llama at PP 2 (a pipeline run seeds each stage's layers from its own stream)."""
+    pp = ["--parallel.pp", "2", "--data.doc_cost", "2e-7,1e-6,1e-4"]
+    reference = _curves(tmp_path / "ref", gpt_data, LLAMA_MODEL, 2, [*PACKED, *pp])
+    placed = ["--parallel.cp", "2", "--parallel.cp_placement", "dynamic", "--parallel.cp_speeds", "measured"]
+    placed += ["--parallel.cp_block", "16", "--balance.window", "1"]
+    split = _curves(tmp_path / "placed", gpt_data, LLAMA_MODEL, 4, [*PACKED, *pp, *placed])
+    _same("packed llama pp2 x cp2 placed", split, reference)
+    records = read_records(tmp_path / "placed" / "torchrun.jsonl")
+    assert any(r.get("cp_kv_tokens", 0) > 0 for r in records.values()), "no document was cut across ranks"
+    assert any((r["speed_cp0"], r["speed_cp1"]) != (1.0, 1.0) for s, r in records.items() if "speed_cp0" in r)
 
 
 @pytest.mark.parametrize(

@@ -277,7 +277,6 @@ PLACED = {
         ({"parallel.cp_speeds": "1,-1"}, ("parallel.cp_speeds", "2 positive speeds")),
         ({"parallel.cp_speeds": "fast,slow"}, ("parallel.cp_speeds", "e.g. 1,0.5")),
         ({"parallel.cp_block": 0}, ("parallel.cp_block", "positive")),
-        ({"parallel.pp": 2}, ("parallel.pp 1", "cp_placement static")),
     ],
 )
 def test_a_bad_dynamic_cp_placement_gets_a_one_line_error(overrides: dict, needles: tuple) -> None:
@@ -287,6 +286,7 @@ def test_a_bad_dynamic_cp_placement_gets_a_one_line_error(overrides: dict, needl
 @pytest.mark.parametrize("speeds", ["1,0.5", "measured"])
 def test_a_dynamic_cp_placement_by_declared_or_measured_speeds_validates(speeds: str) -> None:
     assert validate(_cfg(**{**PLACED, "parallel.cp_speeds": speeds}), 4) == 2
+    assert validate(_cfg(**{**PLACED, "parallel.cp_speeds": speeds, "parallel.pp": 2}), 8) == 2
 
 
 @pytest.mark.parametrize(

@@ -18,17 +18,18 @@ COST = DocCost(a=1e-8, b=1e-6, c=0.0)
 LENGTHS = [4096, 700, 300, 2500, 120, 64, 1800]
 
 
-def runtime(measured: bool = True, window: int = 1, speeds=(1.0, 1.0)) -> CPPlacement:
+def runtime(measured: bool = True, window: int = 1, speeds=(1.0, 1.0), stages: int = 1) -> CPPlacement:
     return CPPlacement(
         cost_of=lambda: COST, speeds=speeds, measured=measured, cp_rank=1, group=None, block=256, kv_cost=0.1,
-        window=window,
+        window=window, stages=stages,
     )  # fmt: skip
 
 
 def gathered(placement: CPPlacement, rows: list[tuple[float, ...]]) -> None:
-    """What the all-gather of (compute seconds, predicted seconds, CP rank) would hand over; rows without a
-    CP rank are CP ranks 0, 1, ... in order (TP 1)."""
-    rows = [row if len(row) == 3 else (*row, cp) for cp, row in enumerate(rows)]
+    """What the all-gather of (compute seconds, predicted seconds, CP rank, stage) would hand over; rows
+    without a CP rank are CP ranks 0, 1, ... in order (TP 1), rows without a stage stage 0 (PP 1)."""
+    rows = [row if len(row) >= 3 else (*row, cp) for cp, row in enumerate(rows)]
+    rows = [row if len(row) == 4 else (*row, 0) for row in rows]
     tensors = [torch.tensor(row, dtype=torch.float64) for row in rows]
     placement._pending = (None, tensors, 0, 1.0)
 
@@ -108,3 +109,16 @@ def test_a_checkpoint_carries_the_measured_speeds_and_the_window() -> None:
     assert resumed.speeds == (1.0, 0.25)
     with pytest.raises(ValueError, match="saved speeds are for 2 CP ranks, this run has 4"):
         runtime(speeds=(1.0,) * 4).load_state_dict(state)
+
+
+def test_with_pipeline_stages_a_cp_rank_runs_at_its_slowest_stage() -> None:
+    """PP 2 x CP 2: each stage's rates compare its own CP ranks (stage 1 does a third of stage 0's work per
+    predicted second here, alike on both CP ranks: no CP rank is slower for it); CP rank 1 is half speed on
+    stage 0 and 0.8 on stage 1: one plan on both stages, at 0.5."""
+    placement = runtime(stages=2)
+    gathered(placement, [(1.0, 1.0, 0, 0), (2.0, 1.0, 1, 0), (3.0, 1.0, 0, 1), (3.75, 1.0, 1, 1)])
+    placement.before_forward_backward(1)
+    assert placement.speeds == pytest.approx((1.0, 0.5))
+    gathered(placement, [(1.0, 1.0, 0, 0), (1.0, 1.0, 1, 0), (3.0, 1.0, 0, 1), (3.75, 1.0, 1, 1)])
+    placement.before_forward_backward(2)
+    assert placement.speeds == pytest.approx((1.0, 0.8))

@@ -16,7 +16,9 @@ Packed documents (`data.packing documents`): the Llama shape at CP 4 against one
 a multiple of 8 and split over the 4 ranks (rotary positions per document by megatron-core's thd path); the
 CP run also profiles the document cost at start-up on its own chunks. And at TP 2 x CP 2 with dynamic
 placement by measured speed (documents whole or cut into blocks, rotary positions per token, keys and values
-sent only where needed), which resumes from its step 2 with the measured speeds its checkpoint carries.
+sent only where needed), which resumes from its step 2 with the measured speeds its checkpoint carries; at
+PP 2 x CP 2 against PP 2 (every stage places alike); and at CP 2 x DP 2 with measured DP shares, documents
+going to the replicas by speed before each micro-batch is placed over its replica's CP ranks.
 
 Checkpoints do not depend on CP (ZeRO partitions over DP x CP, which DeepSpeed and the reshard see as DP):
 the CP 2 x DP 2 run saves at step 2, and resumes from there at CP 2 x DP 2 (bit for bit), at CP 4 x DP 1

@@ -61,8 +61,10 @@ class Profile:
     name: str
     tp: int
     spec: str
-    """A megahet device profile (what --device.profile takes)."""
+    """A megahet device profile (what --device.profile takes): per TP rank, the same on every CP rank."""
     steps: int
+    cp: int = 1
+    """Context parallelism: CP ranks per sequence (the world is TP x CP)."""
 
     def speeds(self, step: int) -> list[float]:
         profile = parse_profile(self.spec)
@@ -83,9 +85,9 @@ class Profile:
         return [s for s in range(max(first, 1), self.steps) if self.speeds(s) != self.speeds(s - 1)]
 
 
-def straggler(name: str, tp: int, speeds: list[float], warmup: int, steps: int) -> Profile:
+def straggler(name: str, tp: int, speeds: list[float], warmup: int, steps: int, cp: int = 1) -> Profile:
     fmt = ",".join(f"{s:.6g}" for s in speeds)
-    return Profile(name, tp, f"schedule:0={','.join(['1'] * tp)};{warmup}={fmt}", steps)
+    return Profile(name, tp, f"schedule:0={','.join(['1'] * tp)};{warmup}={fmt}", steps, cp)
 
 
 def profiles(warmup: int, steps: int) -> list[Profile]:
@@ -94,15 +96,18 @@ def profiles(warmup: int, steps: int) -> list[Profile]:
         straggler("tp4_4x", 4, [1, 1, 1, 1 / 4], warmup, steps),
         straggler("tp4_8x", 4, [1, 1, 1, 1 / 8], warmup, steps),
         straggler("tp8_mixed", 8, [1 / 8, 1 / 6, 1 / 4, 1 / 2, 1, 1, 1, 1], warmup, steps),
+        # TP 2 x CP 2: TP rank 1 of both CP ranks 4x slow (one plan serves both CP ranks)
+        straggler("tp2_cp2_4x", 2, [1, 1 / 4], warmup, steps, cp=2),
         Profile("tp4_rotating_4x", 4, "rotating:4,6", 4 * 6),
         # Seed 10: rank 2 slow for 20 steps, then ranks 0 and 2 (of 4).
         Profile("tp4_contention_4x", 4, "contention:4,20,10", 40),
     ]
 
 
-def launch(tp: int, args: list[str], log: Path) -> float:
-    """One pretrain_gpt.py launch of the benchmark's GPT at TP=`tp` (benchmarks.common.torchrun)."""
-    return torchrun("pretrain_gpt.py", tp, ["--parallel.tp", str(tp), *MODEL, *args], log)
+def launch(tp: int, args: list[str], log: Path, cp: int = 1) -> float:
+    """One pretrain_gpt.py launch of the benchmark's GPT at TP=`tp` x CP=`cp` (benchmarks.common.torchrun)."""
+    parallel = ["--parallel.tp", str(tp), "--parallel.cp", str(cp)]
+    return torchrun("pretrain_gpt.py", tp * cp, [*parallel, *MODEL, *args], log)
 
 
 def run(profile: Profile, mode: str, spec: str, rate: float) -> list[dict]:
@@ -114,7 +119,7 @@ def run(profile: Profile, mode: str, spec: str, rate: float) -> list[dict]:
     )
     args += f" --train.eval_interval {10 * profile.steps} --train.eval_iters 1 --logging.wandb false"
     args += f" --logging.log_dir {RUNS / 'logs'}"
-    wall = launch(profile.tp, args.split(), RUNS / f"{name}.log")
+    wall = launch(profile.tp, args.split(), RUNS / f"{name}.log", profile.cp)
     print(f"  {name}: {wall:.0f} s", flush=True)
     return read_trace(trace)
 
@@ -390,9 +395,12 @@ def main(argv: list[str] | None = None) -> None:
     rows, all_times = [], {}
     t0 = time.perf_counter()
     for profile in chosen:
-        print(f"{profile.name} (TP={profile.tp}, {profile.spec}, twin {profile.twin()})", flush=True)
-        profile_rows, all_times[profile.name] = bench_profile(
-            profile, args.warmup, args.rate_tp4 * 4 / profile.tp
+        print(
+            f"{profile.name} (TP={profile.tp}, CP={profile.cp}, {profile.spec}, twin {profile.twin()})",
+            flush=True,
+        )
+        profile_rows, all_times[profile.name] = bench_profile(  # a rank's share of the work as at TP 4
+            profile, args.warmup, args.rate_tp4 * 4 / (profile.tp * profile.cp)
         )
         rows += profile_rows
         print(markdown_table(profile_rows, list(profile_rows[0])), flush=True)

@@ -140,7 +140,7 @@ class BalanceController(MeasuringHook):
         self.trace = None
         """This stage's trace (its first TP rank of DP replica 0 writes it), if one is asked for."""
         stage = layout.pp_rank if layout.pp_size > 1 else None
-        if cfg.balance.trace and layout.tp_rank == 0 and layout.dp_rank == 0:
+        if cfg.balance.trace and layout.tp_rank == 0 and layout.dp_rank == 0 and layout.cp_rank == 0:
             self.trace = TraceWriter(trace_path(cfg.balance.trace, _stage_tag(stage)))
         self.replayed = recorded_targets(cfg.balance.replay, stage) if cfg.balance.replay else None
         """balance.replay: the recorded run's targets by step (executed instead of planned ones)."""

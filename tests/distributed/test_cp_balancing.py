@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from harness import LLAMA_MODEL, compare, read_records, short_run, torchrun_curves
 
+from megahet.runtime.trace_plot import read_trace
+
 SCRIPT = "../../pretrain_gpt.py"
 STEPS = 6
 
@@ -37,6 +39,7 @@ def test_a_slow_tp_rank_migrates_alike_on_every_cp_rank_and_training_stays_exact
     ]
     # global ranks (TP fastest, then CP): TP rank 1 at 0.25 on CP rank 0, at 0.5 on CP rank 1
     balanced += ["--device.profile", "static:1,0.25,1,0.5", "--device.rate_gflops", "1"]
+    balanced += ["--balance.trace", str(tmp_path / "trace.jsonl")]
     (tmp_path / "cp").mkdir()
     split = torchrun_curves(SCRIPT, 4, [*common, *balanced], STEPS, cwd=tmp_path / "cp", timeout=420)
     for key in ("loss", "grad_norm", "val_loss"):
@@ -46,6 +49,8 @@ def test_a_slow_tp_rank_migrates_alike_on_every_cp_rank_and_training_stays_exact
     # it migrates on what it measured (the balancer never reads the profile); how slow the rank reads depends
     # on the host (4 ranks on 2 cores read 0.60-0.65 for 0.25 on a busy day), so only the migration is checked
     assert max(moved) > 0, f"the slow rank's units never migrated: {moved}"
+    # one writer (TP rank 0 of replica 0 on CP rank 0; two CP ranks wrote the same file before): a row a step
+    assert [row["step"] for row in read_trace(tmp_path / "trace.jsonl")] == list(range(STEPS))
 
 
 def test_semi_drops_and_migrates_the_same_heads_on_every_cp_rank(tmp_path, gpt_data):

@@ -239,3 +239,30 @@ def test_a_static_balancer_measures_every_step_and_never_plans(tmp_path, monkeyp
     rows = [json.loads(line) for line in trace.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(12))  # close() folds the last step in
     assert rows[-1]["speed"][0][1] == pytest.approx(0.25, rel=0.05)  # TP rank 1 at a quarter (steps 6-17)
+
+
+def test_with_context_parallelism_a_tp_rank_is_measured_at_its_slowest_cp_rank(tmp_path) -> None:
+    """TP 2 x CP 2: the gathered rows hold each (replica, TP rank) twice, once per CP rank. TP rank 1 is slow
+    on CP rank 1 only; every CP rank plans on the slower row, so both run the same plan (they exchange the
+    same heads' keys and values). Only CP rank 0 writes the trace (both wrote one file before)."""
+    cfg = apply_overrides(
+        MegahetConfig(), {"balance.mode": "migrate", "balance.window": 1, "balance.interval": 1}
+    )
+    ctx = types.SimpleNamespace(times=StepTimes(0.0, 0.0, 0.0), step_t0=time.perf_counter(), shares=(4,))
+    plans = []
+    for cp_rank in (0, 1):
+        layout = ParallelLayout(
+            rank=cp_rank * TP, world_size=2 * TP, tp_rank=0, tp_size=TP, pp_rank=0, pp_size=1, dp_rank=0,
+            dp_size=1, cp_rank=cp_rank, cp_size=2,
+        )  # fmt: skip
+        traced = apply_overrides(cfg, {"balance.trace": str(tmp_path / "trace.jsonl")})
+        assert (BalanceController(traced, layout, _FakeResize(), ctx).trace is None) == (cp_rank == 1)
+        controller = BalanceController(cfg, layout, _FakeResize(), ctx)
+        for step in range(3):
+            controller.before_forward_backward(step)
+            rows = _rows([1.0, 1.0], [1.0, 1.0], [0.0, 0.0]) + _rows([1.0, 1.0], [1.0, 4.0], [0.0, 0.0])
+            controller._pending = (_Gathered(), rows if cp_rank == 0 else rows[::-1], step, 1.0)
+        controller.before_forward_backward(3)
+        assert controller.group_speeds(0) == pytest.approx([1.0, 0.25])
+        plans.append(controller.targets)
+    assert plans[0] == plans[1] and not plans[0][0].is_even

@@ -301,12 +301,17 @@ def merge_rerun(name: str, rows: list[dict], meta: dict, all_times: dict, warmup
         kept["reruns"] = [*old["meta"].get("reruns", []), note]
     merged_meta = {**old["meta"], **kept}
     for profile in dict.fromkeys(r["profile"] for r in merged):
-        if profile not in all_times:
+        traces = [RUNS / f"{profile}_{mode}.jsonl" for mode in ("twin", *MODES)]
+        # the plot keeps the old profiles whose traces are here (runs/ is not committed: a fresh clone has none)
+        if profile not in all_times and all(t.exists() for t in traces):
             all_times[profile] = {
-                mode: [r["step_s"] for r in read_trace(RUNS / f"{profile}_{mode}.jsonl")]
-                for mode in ("twin", *MODES)
+                mode: [r["step_s"] for r in read_trace(t)] for mode, t in zip(("twin", *MODES), traces)
             }
-    return merged, merged_meta, {p: all_times[p] for p in dict.fromkeys(r["profile"] for r in merged)}
+    return (
+        merged,
+        merged_meta,
+        {p: all_times[p] for p in dict.fromkeys(r["profile"] for r in merged) if p in all_times},
+    )
 
 
 def run_profiles(

@@ -95,6 +95,12 @@ def test_replicas_of_cp_ranks_take_shares_of_the_batch_by_speed(tmp_path, gpt_da
 
 PACKED = ["--model.seq_length", "128", "--data.packing", "documents", "--data.max_tokens", "128"]
 PACKED += ["--train.micro_batch_size", "1"]  # after short_run's
+DOC_COST = ["--data.doc_cost", "2e-7,1e-6,1e-4"]
+PLACED_BY_MEASURED_SPEED = [
+    "--parallel.cp", "2", "--parallel.cp_placement", "dynamic", "--parallel.cp_speeds", "measured",
+    "--parallel.cp_block", "16", "--balance.window", "1", *DOC_COST,
+]  # fmt: skip
+"""Dynamic placement over 2 CP ranks by speeds measured every step, in 16-token blocks."""
 
 
 @pytest.fixture(scope="module")
@@ -118,9 +124,7 @@ def test_packed_llama_documents_placed_by_measured_speed_at_tp2_x_cp2_train_as_o
     ranks, which sum their gradients; the evaluation is placed too. Every step logs the speeds it measured
     and the keys and values rank 0 received. Resumed from its step 2, the run places step 3 with the speeds
     the checkpoint carries: the ones the uninterrupted run placed it with."""
-    placed = ["--parallel.tp", "2", "--parallel.cp", "2", "--parallel.cp_placement", "dynamic"]
-    placed += ["--parallel.cp_speeds", "measured", "--parallel.cp_block", "16", "--balance.window", "1"]
-    placed += ["--data.doc_cost", "2e-7,1e-6,1e-4"]
+    placed = ["--parallel.tp", "2", *PLACED_BY_MEASURED_SPEED]
     saves = ["--train.save", str(tmp_path / "ck"), "--train.save_interval", "2"]
     split = _curves(tmp_path / "placed", gpt_data, LLAMA_MODEL, 4, [*PACKED, *placed, *saves])
     _same("packed llama placed tp2 x cp2", split, packed_reference)
@@ -156,9 +160,7 @@ def test_packed_documents_over_measured_replicas_then_cp_ranks_train_as_one_rank
     """The two-stage assignment at CP 2 x DP 2: each step's documents go to the replicas by their measured
     speed (the DP balancer, over each replica's CP ranks), are packed into micro-batches, and each micro-batch
     is placed over its replica's CP ranks by their measured speed."""
-    placed = ["--parallel.cp", "2", "--parallel.cp_placement", "dynamic", "--parallel.cp_speeds", "measured"]
-    placed += ["--parallel.cp_block", "16", "--balance.window", "1", "--data.doc_cost", "2e-7,1e-6,1e-4"]
-    placed += ["--hetero.dp_shares", "measured", "--hetero.window", "1"]
+    placed = [*PLACED_BY_MEASURED_SPEED, "--hetero.dp_shares", "measured", "--hetero.window", "1"]
     split = _curves(tmp_path / "two_stage", gpt_data, LLAMA_MODEL, 4, [*PACKED, *placed])
     for key in ("loss", "grad_norm"):  # DP 2 evaluates twice the validation samples
         compare("packed llama cp2 x dp2, measured replicas", key, split[key], packed_reference[key],
@@ -173,11 +175,9 @@ def test_packed_documents_placed_over_cp_ranks_of_pipeline_stages_train_as_witho
     measured CP speeds, gathered over all ranks: each CP rank at its slowest stage), so a stage's CP rank
     receives from the previous stage the slices it holds (megatron-core's variable-length sends). Against
     the packed Llama at PP 2 (a pipeline run seeds each stage's layers from its own stream)."""
-    pp = ["--parallel.pp", "2", "--data.doc_cost", "2e-7,1e-6,1e-4"]
-    reference = _curves(tmp_path / "ref", gpt_data, LLAMA_MODEL, 2, [*PACKED, *pp])
-    placed = ["--parallel.cp", "2", "--parallel.cp_placement", "dynamic", "--parallel.cp_speeds", "measured"]
-    placed += ["--parallel.cp_block", "16", "--balance.window", "1"]
-    split = _curves(tmp_path / "placed", gpt_data, LLAMA_MODEL, 4, [*PACKED, *pp, *placed])
+    pp = ["--parallel.pp", "2"]
+    reference = _curves(tmp_path / "ref", gpt_data, LLAMA_MODEL, 2, [*PACKED, *pp, *DOC_COST])
+    split = _curves(tmp_path / "placed", gpt_data, LLAMA_MODEL, 4, [*PACKED, *pp, *PLACED_BY_MEASURED_SPEED])
     _same("packed llama pp2 x cp2 placed", split, reference)
     records = read_records(tmp_path / "placed" / "torchrun.jsonl")
     assert any(r.get("cp_kv_tokens", 0) > 0 for r in records.values()), "no document was cut across ranks"

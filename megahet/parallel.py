@@ -139,14 +139,19 @@ def _elastic_attempt_store(timeout: datetime.timedelta):
     return dist.PrefixStore(f"megahet/attempt_{attempt}_world_{os.environ['WORLD_SIZE']}/", store)
 
 
+def start_distributed(tp: int, pp: int, timeout_minutes: int = 10, cp: int = 1) -> None:
+    """Start torch.distributed (if needed: every rank meets the others) after checking that TP x PP x CP divides
+    the world, before any rank waits on a collective."""
+    apply_cpu_shims()
+    check_world_size(int(os.environ.get("WORLD_SIZE", "1")), tp, pp, cp)
+    _init_process_group(timeout_minutes)
+
+
 def initialize_parallel(
     tp: int, pp: int, seed: int, timeout_minutes: int = 10, cp: int = 1
 ) -> ParallelLayout:
     """Start torch.distributed (if needed), build megatron-core's groups, and seed every stream."""
-    apply_cpu_shims()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    check_world_size(world, tp, pp, cp)  # before any rank waits on a collective
-    _init_process_group(timeout_minutes)
+    start_distributed(tp, pp, timeout_minutes, cp)
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp

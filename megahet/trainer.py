@@ -110,11 +110,14 @@ class Trainer:
         """The TP size, DP shares and placement (strided TP groups) an escalation asked for (`request_layout`):
         training stops after the step and `pretrain()` moves to TP x DP in place (megahet/runtime/relayout.py)."""
         self.last_saved = -1
+        """The step of this trainer's last checkpoint in train.save."""
         self.build_s = 0.0
+        """Seconds the stage model and engine took to build (set by megahet.training.build_trainer)."""
+        self.rebuild_s = 0.0
+        """Seconds of setup() a move to another layout does again, the slowest rank's: megatron-core's groups,
+        and the model's and engine's build (set by megahet.training.setup; 0 on a Trainer a move built)."""
         self.last_resplit = None
         """The re-split that built this Trainer, measured (megahet/runtime/resplit.py ResplitCost), if any."""
-        """Seconds the stage model and engine took to build (set by megahet.training.build_trainer)."""
-        """The step of this trainer's last checkpoint in train.save."""
         self.plan = None
         """The run plan this Trainer executes (megahet/run_plan.py: set by build_trainer)."""
 

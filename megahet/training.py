@@ -34,7 +34,13 @@ from megahet.failures import (
 )
 from megahet.logging import TrainingLogger
 from megahet.models.compiled import compile_layers
-from megahet.parallel import ParallelLayout, current_layout, destroy_parallel, initialize_parallel
+from megahet.parallel import (
+    ParallelLayout,
+    current_layout,
+    destroy_parallel,
+    initialize_parallel,
+    start_distributed,
+)
 from megahet.platform import cuda_available, device, freeze_long_lived_objects, release_freed_memory
 from megahet.run_plan import RunPlan, plan_run
 from megahet.runtime.hook_builder import build_step_hooks
@@ -57,9 +63,11 @@ def setup(cfg: MegahetConfig, spec: TaskSpec, extra_hooks: Sequence[StepHook] = 
     if int(os.environ.get("RANK", "0")) == 0:  # once, before any rank starts work
         for note in plan.notes:
             print(f"megahet: {note}", flush=True)
-    layout = initialize_parallel(
-        plan.tp, plan.pp, cfg.train.seed, cfg.parallel.distributed_timeout_minutes, cp=cfg.parallel.cp
-    )
+    timeout, cp = cfg.parallel.distributed_timeout_minutes, cfg.parallel.cp
+    start_distributed(plan.tp, plan.pp, timeout, cp)  # the ranks meet (each started when it did)
+    t0 = time.perf_counter()
+    layout = initialize_parallel(plan.tp, plan.pp, cfg.train.seed, timeout, cp=cp)
+    groups_s = time.perf_counter() - t0
     record_peers()
     resume, restore = plan.resume, None
     if plan.reshard:  # every rank reads its own slices; else rank 0 reshards the whole checkpoint
@@ -71,7 +79,13 @@ def setup(cfg: MegahetConfig, spec: TaskSpec, extra_hooks: Sequence[StepHook] = 
     if layout.rank == 0:
         spec.prepare(cfg)
     dist.barrier()
-    return build_trainer(plan, spec, layout, resume, extra_hooks=extra_hooks, restore=restore)
+    trainer = build_trainer(plan, spec, layout, resume, extra_hooks=extra_hooks, restore=restore)
+    # what a move to another layout does again (not the rendezvous, the data's preparation, a checkpoint's
+    # read): the slowest rank's megatron-core groups, and model and engine build
+    groups = torch.tensor([groups_s], dtype=torch.float64, device=device())
+    dist.all_reduce(groups, op=dist.ReduceOp.MAX)
+    trainer.rebuild_s = float(groups) + trainer.build_s
+    return trainer
 
 
 def build_trainer(

@@ -56,6 +56,7 @@ from megahet.policy.detector import MedianWindow
 from megahet.policy.escalation import (
     Decision,
     EscalationLadder,
+    LayoutChoice,
     LayoutMemory,
     Measured,
     Observation,
@@ -80,10 +81,11 @@ class EscalationController(MeasuringHook):
         log: Callable[[str], None],
         memory: LayoutMemory,
         cap_bytes: float,
+        price_move: Callable[[LayoutChoice], float],
     ):
         e = cfg.escalate
         self.cfg, self.layout, self.ctx, self.tps, self.home_tp = e, layout, ctx, tps, home_tp
-        self.speeds, self.log = speeds, log
+        self.speeds, self.log, self.price_move = speeds, log, price_move
         self.memory, self.cap_bytes = memory, cap_bytes
         self.peak = 0  # the busiest rank's allocator peak on this layout (CUDA; 0 on CPU)
         self.left_out: dict[int, str] = {}
@@ -100,7 +102,7 @@ class EscalationController(MeasuringHook):
         self.compute, self.waits, self.delays, self.optimizer, self.collectives = windows
         self.steps = collections.deque(maxlen=e.window)
         self.move_s: float | None = None
-        """The last move's measured cost (None before one: the build at start stands in)."""
+        """The last move's measured cost (None before one: `price_move` predicts it, megahet/runtime/move_price.py)."""
         self.warm = self.closing = False
         self.printed: tuple[str, str] | None = None
         self.last: dict[str, float] = {}
@@ -209,7 +211,7 @@ class EscalationController(MeasuringHook):
         if other is None:  # every other layout is left out (printed)
             return
         inside = statistics.median(self.steps)
-        move_s = self.move_s if self.move_s is not None else self.ctx.build_s
+        move_s = self.move_s if self.move_s is not None else self.price_move(other)
         obs = Observation(
             step=step + 1, straggler=m.straggler(self.healthy_gap, self.cfg.delay_floor_ms / 1e3),
             inside_s=inside, other_s=other.step_s, move_s=move_s, steps_left=self.train_iters - step - 1,

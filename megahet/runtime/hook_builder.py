@@ -38,6 +38,7 @@ from megahet.runtime.devices import DeviceStepHook, VirtualDevice, attach_virtua
 from megahet.runtime.dp_balancer import DataParallelBalancer
 from megahet.runtime.escalation import EscalationController, layout_memory, memory_cap_bytes
 from megahet.runtime.hooks import StepHook
+from megahet.runtime.move_price import MovePricer
 from megahet.runtime.packing import PackingController
 from megahet.runtime.pp_balancer import PipelineBalancer
 from megahet.runtime.resizer import ResizeController
@@ -69,7 +70,7 @@ def _escalation(plan: RunPlan, trainer, balancer, dp_balancer) -> StepHook:
     memory = layout_memory(trainer.task.model, layout.tp_size, plan.cfg.train.precision)
     return EscalationController(
         plan.cfg, layout, trainer, plan.escalation_tps, home_tp, speeds, trainer.logger.print,
-        memory, memory_cap_bytes(plan.cfg),
+        memory, memory_cap_bytes(plan.cfg), MovePricer(trainer, trainer.logger.print),
     )  # fmt: skip
 
 

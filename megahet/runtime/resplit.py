@@ -101,6 +101,18 @@ def live_params(model: torch.nn.Module, layout, split, gated: bool, tied: bool) 
     return unsharded_params(stages, layout.tp_size, split, gated, tied)
 
 
+def plan_move(model: torch.nn.Module, layout, plan: RunPlan, tp: int, pp: int, dp: int, split, strided: bool):
+    """(the live parameters, the old and new reshard Layouts, the ReshardPlan) of a move of `model` (on
+    `layout`, run plan `plan`) to TP x PP x DP with `split` layers per stage and `strided` TP groups. Every
+    rank calls it (it gathers the parameters' names and shapes)."""
+    m = plan.cfg.model
+    tied = not m.untie_embeddings_and_output_weights
+    params = live_params(model, layout, plan.split, gated=m.activation == "swiglu", tied=tied)
+    old = Layout(layout.tp_size, layout.pp_size, layout.dp_size, tuple(plan.split), tied, layout.strided)
+    new = Layout(tp, pp, dp, tuple(split), tied, strided)
+    return params, old, new, reshard_plan(params, old, new)
+
+
 def move_state(
     trainer,
     new_plan: RunPlan,
@@ -113,16 +125,11 @@ def move_state(
     rebuild; the hooks `carried` picks hand their state to the new Trainer's of the same type. Returns
     (the new Trainer, the measured ResplitCost, the reshard plan). All ranks call it after the same step."""
     plan, layout, engine = trainer.plan, trainer.layout, trainer.engine
-    cfg = plan.cfg
     dist.barrier()  # ranks leave the step at different times: the move's cost starts when all are here
     t0 = time.perf_counter()
     model = engine.module
-    m = cfg.model
-    tied = not m.untie_embeddings_and_output_weights
-    params = live_params(model, layout, plan.split, gated=m.activation == "swiglu", tied=tied)
-    old = Layout(layout.tp_size, layout.pp_size, layout.dp_size, tuple(plan.split), tied, layout.strided)
-    new = Layout(new_plan.tp, new_plan.pp, new_plan.dp, tuple(new_plan.split), tied, new_plan.strided)
-    moves = reshard_plan(params, old, new)
+    target = (new_plan.tp, new_plan.pp, new_plan.dp, tuple(new_plan.split), new_plan.strided)
+    params, old, new, moves = plan_move(model, layout, plan, *target)
     before = rank_holdings(params, old, layout.rank, moves.blocks)
     after = rank_holdings(params, new, layout.rank, moves.blocks)
     weight = next(model.parameters())

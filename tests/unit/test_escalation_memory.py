@@ -11,6 +11,7 @@ Run: ``python -m pytest tests/unit/test_escalation_memory.py -q`` (a second).
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
@@ -78,10 +79,15 @@ class _Context:
 
 
 def _controller(
-    cap_bytes: float, log: list[str], tp: int = 4, strided: bool = False, placement: bool = True
+    cap_bytes: float,
+    log: list[str],
+    tp: int = 4,
+    strided: bool = False,
+    placement: bool = True,
+    price_move=lambda choice: 0.05,
 ) -> tuple[EscalationController, _Context]:
     """Rank 0 of 4 at TP `tp` (4 layers, 8 micro-batches a step; the run's own TP is 4), escalation on at its
-    defaults."""
+    defaults; a first move priced by `price_move` (a LayoutChoice -> seconds)."""
     cfg = apply_overrides(
         MegahetConfig(),
         {"escalate.mode": "on", "train.global_batch_size": "8", "train.micro_batch_size": "1",
@@ -95,7 +101,7 @@ def _controller(
     ctx = _Context()
     controller = EscalationController(
         cfg, layout, ctx, (1, 2, 4), home_tp=4, speeds=lambda: None, log=log.append, memory=memory,
-        cap_bytes=cap_bytes,
+        cap_bytes=cap_bytes, price_move=price_move,
     )  # fmt: skip
     return controller, ctx
 
@@ -166,3 +172,34 @@ def test_two_late_ranks_move_to_one_tp_group_and_are_measured_there():
     controller, _ = _controller(math.inf, [], tp=2, strided=True)
     # rank 0 waited 3 ms a collective for its strided peer, rank 2 (consecutive groups would blame rank 1)
     assert controller._delays([0.003, 0.0, 0.0, 0.0]) == pytest.approx([0.0, 0.0, 0.003, 0.0])
+
+
+def test_the_first_move_is_priced_by_the_pricer_then_at_the_last_moves_measured_cost():
+    """Before a move the ladder weighs the pricer's price (megahet/runtime/move_price.py): a price above the
+    horizon's gain keeps the job where it is, a cheap one moves it; once a move has been measured its cost
+    stands in and the pricer is not asked again."""
+    priced: list[int] = []
+
+    def dear(choice) -> float:
+        priced.append(choice.tp)
+        return 1e4
+
+    log: list[str] = []
+    controller, ctx = _controller(math.inf, log, price_move=dear)
+    _run(controller, 5)
+    assert not ctx.requested and priced and set(priced) == {1}, (priced, log)
+    assert any(
+        "stay (it does not pay within 100 steps" in line and "move 10000.0 s" in line for line in log
+    ), log
+
+    controller, ctx = _controller(math.inf, [], price_move=lambda choice: 0.05)
+    _run(controller, 5)
+    assert ctx.requested and ctx.requested[0][0] == 1
+
+    log = []
+    controller, ctx = _controller(math.inf, log, price_move=dear)
+    controller.relayout_done(types.SimpleNamespace(total_s=0.5))  # as after a measured move
+    calls = len(priced)
+    _run(controller, 5)
+    assert len(priced) == calls and ctx.requested, log
+    assert any("move 0.5 s" in line for line in log), log

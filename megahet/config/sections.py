@@ -385,7 +385,7 @@ class EscalateConfig(_Section):
     at once, a marginal one later, a short episode never."""
     horizon: int = 100
     """A move must pay within this many steps (or the steps left, if fewer): the predicted time it saves
-    per step times them must exceed its cost (the last move's, measured; before one, the build at start)."""
+    per step times them must exceed its cost (the last move's, measured; before one, a rehearsal's price)."""
     min_gain: float = 0.05
     """The other layout must save at least this fraction of the step."""
     delay_floor_ms: float = 0.5

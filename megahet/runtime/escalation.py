@@ -24,7 +24,8 @@ default the smallest GPU's less plan.memory_reserve: the live model's state on e
 activations the allocator's peak shows here, scaled by TP), and `EscalationLadder` decides: a
 straggler (slower than `balance.healthy_gap`, or later than `escalate.delay_floor_ms` to each collective)
 flagged at least `escalate.patience` steps in a row, the best other layout's predicted saving over
-`escalate.horizon` steps above the move's cost (the last move's, measured; before one, the build at start),
+`escalate.horizon` steps above the move's cost (the last move's, measured; before one, a rehearsal's price:
+megahet/runtime/move_price.py),
 and the time lost by staying this episode at least that cost (break-even): move. On the moved-to layout,
 the straggler gone as long and the way back paying and breaking even the same way: return.
 Every decision is logged (metrics `escalate_inside_s`, `escalate_other_s`, `escalate_predicted_s`,

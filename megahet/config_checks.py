@@ -269,11 +269,6 @@ def _validate_context_parallel(cfg: MegahetConfig) -> None:
         f"parallel.cp {p.cp} needs model.attention sdpa (megatron-core's local attention refuses context "
         "parallelism): set model.attention sdpa",
     )
-    unsupported = {
-        "hetero.pp_split (the pipeline balancer)": cfg.hetero.pp_active,
-    }
-    for what, used in unsupported.items():
-        _require(not used, f"parallel.cp {p.cp} does not run with {what} yet: set parallel.cp 1 for it")
 
 
 def _validate_architecture(cfg: MegahetConfig) -> None:

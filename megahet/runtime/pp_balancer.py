@@ -12,7 +12,8 @@ completes while the step finishes. A rank's samples are its seconds per layer an
 layers_s / (its stage's layers x micro-batches), and its other compute per micro-batch (embedding,
 output layer, loss), (compute_s - layers_s) / micro-batches, plus, with `balance.whole_step`,
 its own time in the optimizer step spread over the step's micro-batches; each estimate is the median of the last
-`hetero.window` samples. A stage is as slow as its slowest rank (`measured_stage_times`).
+`hetero.window` samples. A stage is as slow as its slowest rank (`measured_stage_times`; with context
+parallelism a position is as slow as its slowest CP rank).
 
 With `hetero.pp_split=measured`, every `hetero.interval` steps every rank runs the same `next_split` on
 the same numbers: the split minimizing the slowest stage's modeled time, kept unless it cuts that time by
@@ -113,10 +114,13 @@ class PipelineBalancer(MeasuringHook):
         medians of its ranks' samples (None before every rank has one)."""
         if not self.ready:
             return None
-        per_rank = {
-            coords: (statistics.median(layer), statistics.median(extra))
-            for coords, layer, extra in zip(self.coords, self.layer_samples, self.extra_samples)
-        }
+        per_rank: dict[RankCoords, tuple[float, float]] = {}
+        for coords, layer, extra in zip(self.coords, self.layer_samples, self.extra_samples):
+            # a position's CP ranks share its coordinates: it runs at the slower (they wait for each other's
+            # keys and values in every layer)
+            mine = (statistics.median(layer), statistics.median(extra))
+            other = per_rank.get(coords, mine)
+            per_rank[coords] = (max(mine[0], other[0]), max(mine[1], other[1]))
         return measured_stage_times(per_rank, len(self.split), healthy_gap)
 
     def stage_speeds(self) -> list[float] | None:

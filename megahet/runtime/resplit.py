@@ -103,13 +103,16 @@ def live_params(model: torch.nn.Module, layout, split, gated: bool, tied: bool) 
 
 def plan_move(model: torch.nn.Module, layout, plan: RunPlan, tp: int, pp: int, dp: int, split, strided: bool):
     """(the live parameters, the old and new reshard Layouts, the ReshardPlan) of a move of `model` (on
-    `layout`, run plan `plan`) to TP x PP x DP with `split` layers per stage and `strided` TP groups. Every
-    rank calls it (it gathers the parameters' names and shapes)."""
+    `layout`, run plan `plan`) to TP x PP x DP with `split` layers per stage and `strided` TP groups, at the
+    same CP. Every rank calls it (it gathers the parameters' names and shapes)."""
     m = plan.cfg.model
     tied = not m.untie_embeddings_and_output_weights
     params = live_params(model, layout, plan.split, gated=m.activation == "swiglu", tied=tied)
-    old = Layout(layout.tp_size, layout.pp_size, layout.dp_size, tuple(plan.split), tied, layout.strided)
-    new = Layout(tp, pp, dp, tuple(split), tied, strided)
+    # CP ranks hold their position's weights whole and ZeRO splits the optimizer state over DP x CP (ranks
+    # in megatron-core's tp-cp-dp-pp order): to the plan they are replicas, CP folded into DP
+    cp = layout.cp_size
+    old = Layout(layout.tp_size, layout.pp_size, layout.dp_size * cp, tuple(plan.split), tied, layout.strided)
+    new = Layout(tp, pp, dp * cp, tuple(split), tied, strided)
     return params, old, new, reshard_plan(params, old, new)
 
 

@@ -226,7 +226,6 @@ def test_cp_counts_in_the_world_and_not_in_dp() -> None:
     [
         ({"model.seq_length": 30}, ("model.seq_length 30", "multiple of 4")),
         ({"model.attention": "local"}, ("model.attention sdpa",)),
-        ({"parallel.pp": 2, "hetero.pp_split": "measured"}, ("hetero.pp_split",)),
     ],
 )
 def test_what_cp_does_not_run_with_yet_gets_a_one_line_error(overrides: dict, needles: tuple) -> None:
@@ -249,6 +248,14 @@ def test_cp_runs_with_data_parallel_shares() -> None:
         cfg = _cfg(**{"parallel.cp": 2, "model.seq_length": 32, "hetero.dp_shares": shares,
                       "hetero.speeds": "1,1,0.5,0.5"})  # fmt: skip
         assert validate(cfg, 4) == 2
+
+
+def test_cp_runs_with_the_pipeline_balancer() -> None:
+    """Layers per stage by declared or measured speed (a position at its slowest CP rank)."""
+    for split, speeds in (("declared", {"hetero.speeds": "1,1,0.5,0.5"}), ("measured", {})):
+        cfg = _cfg(**{"parallel.cp": 2, "parallel.pp": 2, "model.seq_length": 32, "hetero.pp_split": split,
+                      **speeds})  # fmt: skip
+        assert validate(cfg, 4) == 1
 
 
 def test_cp_saves_and_resumes_checkpoints() -> None:

@@ -208,3 +208,16 @@ def test_a_closed_but_not_final_trace_is_not_drawn(tmp_path: Path):
     _feed(balancer, 0, [1.0, 1.0])
     balancer.close(final=False)
     assert (tmp_path / "run_pp.jsonl").is_file() and not (tmp_path / "run_pp.png").exists()
+
+
+def test_a_position_runs_at_its_slowest_cp_rank():
+    """PP 2 x CP 2: the CP ranks of a position share its (dp, pp, tp) (megatron-core's tp-cp-dp-pp order: rank
+    = cp + 2 x pp). CP rank 0 of stage 1 at a quarter speed makes stage 1 slow, whichever CP rank the
+    gather lists last (a dict by coordinates kept the fast one: no re-split)."""
+    balancer, _ = _balancer()
+    balancer.coords = [(0, 0, 0), (0, 0, 0), (0, 1, 0), (0, 1, 0)]
+    for stage_times in ([1.0, 1.0, 4.0, 1.0], [1.0, 1.0, 1.0, 4.0]):
+        rows = [torch.tensor([2.0, t * 8, t * 8, 0.0], dtype=torch.float64) for t in stage_times]
+        balancer._pending = (_Done(), rows, 0, 1.0)
+        balancer.before_forward_backward(1)
+        assert balancer.stage_speeds() == [1.0, 0.25], stage_times

@@ -120,10 +120,10 @@ class MovePricer:
             model, trainer.layout, plan, choice.tp, 1, choice.dp, plan.split, choice.strided
         )
         plan_s = _slowest(time.perf_counter() - t0)
-        weight = next(model.parameters())
-        itemsize = {
-            key: weight.element_size() if key == WEIGHT else 4 for key in KEYS
-        }  # fp32 optimizer state
+        weight = next(
+            model.parameters()
+        )  # the weights move in the model's dtype, the optimizer state in fp32
+        itemsize = {key: weight.element_size() if key == WEIGHT else 4 for key in KEYS}
         nbytes = busiest_bytes(moves, itemsize, trainer.layout.world_size)
         if self.bandwidth is None:
             self.bandwidth = ring_bandwidth(min(max(nbytes, PROBE_BYTES[0]), PROBE_BYTES[1]))

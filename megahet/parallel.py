@@ -28,7 +28,7 @@ from megatron.core import tensor_parallel
 
 from megahet.compat.cpu_shims import apply_cpu_shims
 from megahet.config import ConfigError
-from megahet.platform import cuda_available, distributed_backend
+from megahet.platform import cuda_available, device, distributed_backend
 from megahet.policy.mesh import STRIDED_ORDER, coords_of
 
 
@@ -137,6 +137,14 @@ def _elastic_attempt_store(timeout: datetime.timedelta):
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
     )
     return dist.PrefixStore(f"megahet/attempt_{attempt}_world_{os.environ['WORLD_SIZE']}/", store)
+
+
+def slowest_over_ranks(*seconds: float) -> list[float]:
+    """Each of this rank's times at the slowest rank's (one MAX all-reduce): every rank then decides on the same
+    numbers. Every rank calls it."""
+    t = torch.tensor(seconds, dtype=torch.float64, device=device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
 
 
 def start_distributed(tp: int, pp: int, timeout_minutes: int = 10, cp: int = 1) -> None:

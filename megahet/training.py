@@ -39,9 +39,10 @@ from megahet.parallel import (
     current_layout,
     destroy_parallel,
     initialize_parallel,
+    slowest_over_ranks,
     start_distributed,
 )
-from megahet.platform import cuda_available, device, freeze_long_lived_objects, release_freed_memory
+from megahet.platform import cuda_available, freeze_long_lived_objects, release_freed_memory
 from megahet.run_plan import RunPlan, plan_run
 from megahet.runtime.hook_builder import build_step_hooks
 from megahet.runtime.hooks import StepHook
@@ -82,9 +83,7 @@ def setup(cfg: MegahetConfig, spec: TaskSpec, extra_hooks: Sequence[StepHook] = 
     trainer = build_trainer(plan, spec, layout, resume, extra_hooks=extra_hooks, restore=restore)
     # what a move to another layout does again (not the rendezvous, the data's preparation, a checkpoint's
     # read): the slowest rank's megatron-core groups, and model and engine build
-    groups = torch.tensor([groups_s], dtype=torch.float64, device=device())
-    dist.all_reduce(groups, op=dist.ReduceOp.MAX)
-    trainer.rebuild_s = float(groups) + trainer.build_s
+    trainer.rebuild_s = slowest_over_ranks(groups_s)[0] + trainer.build_s
     return trainer
 
 
@@ -112,8 +111,9 @@ def build_trainer(
         release_freed_memory(collect=False)
     compiled = compile_layers(task.model) if cfg.train.compile else 0
     engine = build_engine(cfg, task.model, layout.dp_size, dict(plan.user_ds))
-    build_s = torch.tensor([time.perf_counter() - t_build], dtype=torch.float64, device=device())
-    dist.all_reduce(build_s, op=dist.ReduceOp.MAX)  # one value on every rank: decisions that use it agree
+    (build_s,) = slowest_over_ranks(
+        time.perf_counter() - t_build
+    )  # decisions that use it agree on every rank
     logger = logger or TrainingLogger(cfg, layout, run_name=spec.name)
     split = f" (layers {plan.split})" if plan.split.uneven else ""
     cp = f" x CP {layout.cp_size}" if layout.cp_size > 1 else ""

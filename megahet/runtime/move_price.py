@@ -27,10 +27,11 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from megahet.parallel import slowest_over_ranks
 from megahet.platform import cuda_available, device
 from megahet.policy.escalation import LayoutChoice
-from megahet.policy.reshard_plan import KEYS, WEIGHT, ReshardPlan
-from megahet.runtime.resplit import plan_move
+from megahet.policy.reshard_plan import ReshardPlan
+from megahet.runtime.resplit import plan_move, state_dtypes
 
 PROBE_BYTES = (1 << 20, 16 << 20)
 """The bandwidth probe's size a rank: the busiest rank's bytes, within these bounds."""
@@ -71,12 +72,6 @@ def busiest_bytes(moves: ReshardPlan, itemsize: dict[str, int], world: int) -> i
     return max(max(s, r) for s, r in zip(sent, received))
 
 
-def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64, device=device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
 def ring_bandwidth(nbytes: int) -> float:
     """Bytes a second each rank sends to the next while it receives from the previous (the world's ring),
     at the slowest rank's time. Every rank calls it."""
@@ -90,7 +85,7 @@ def ring_bandwidth(nbytes: int) -> float:
         request.wait()
     if cuda_available():
         torch.cuda.synchronize()
-    return nbytes / max(_slowest(time.perf_counter() - t0), 1e-9)
+    return nbytes / max(slowest_over_ranks(time.perf_counter() - t0)[0], 1e-9)
 
 
 class MovePricer:
@@ -119,11 +114,8 @@ class MovePricer:
         *_, moves = plan_move(
             model, trainer.layout, plan, choice.tp, 1, choice.dp, plan.split, choice.strided
         )
-        plan_s = _slowest(time.perf_counter() - t0)
-        weight = next(
-            model.parameters()
-        )  # the weights move in the model's dtype, the optimizer state in fp32
-        itemsize = {key: weight.element_size() if key == WEIGHT else 4 for key in KEYS}
+        (plan_s,) = slowest_over_ranks(time.perf_counter() - t0)
+        itemsize = {key: dtype.itemsize for key, dtype in state_dtypes(model).items()}
         nbytes = busiest_bytes(moves, itemsize, trainer.layout.world_size)
         if self.bandwidth is None:
             self.bandwidth = ring_bandwidth(min(max(nbytes, PROBE_BYTES[0]), PROBE_BYTES[1]))

@@ -48,7 +48,8 @@ import torch.distributed as dist
 from megahet.checkpointing import checkpoint
 from megahet.checkpointing.state_slices import engine_state, keep, load_engine_state, load_weights
 from megahet.compat import deepspeed_zero as zero
-from megahet.platform import device, release_freed_memory
+from megahet.parallel import slowest_over_ranks
+from megahet.platform import release_freed_memory
 from megahet.policy.reshard_plan import (
     KEYS,
     WEIGHT,
@@ -101,6 +102,12 @@ def live_params(model: torch.nn.Module, layout, split, gated: bool, tied: bool) 
     return unsharded_params(stages, layout.tp_size, split, gated, tied)
 
 
+def state_dtypes(model: torch.nn.Module) -> dict[str, torch.dtype]:
+    """The dtype each key of the moved state travels in: the weights the model's, the optimizer state fp32."""
+    weight = next(model.parameters())
+    return {key: weight.dtype if key == WEIGHT else torch.float32 for key in KEYS}
+
+
 def plan_move(model: torch.nn.Module, layout, plan: RunPlan, tp: int, pp: int, dp: int, split, strided: bool):
     """(the live parameters, the old and new reshard Layouts, the ReshardPlan) of a move of `model` (on
     `layout`, run plan `plan`) to TP x PP x DP with `split` layers per stage and `strided` TP groups, at the
@@ -136,7 +143,7 @@ def move_state(
     before = rank_holdings(params, old, layout.rank, moves.blocks)
     after = rank_holdings(params, new, layout.rank, moves.blocks)
     weight = next(model.parameters())
-    dtypes = {key: weight.dtype if key == WEIGHT else torch.float32 for key in KEYS}
+    dtypes = state_dtypes(model)
     inner = engine.optimizer.optimizer
     adam = (zero.adam_step(engine.optimizer), [g["lr"] for g in inner.param_groups])
     schedule = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
@@ -179,12 +186,10 @@ def move_state(
             hook.carry(kept[type(hook).__name__])
     # Every rank weighs the next move against the same cost (the slowest rank's): ranks that decided
     # differently would wait for each other in the move forever.
-    seconds = [t_planned - t0, t_moved - t_planned, time.perf_counter() - t_moved]
-    parts = torch.tensor(seconds, dtype=torch.float64, device=device())
-    dist.all_reduce(parts, op=dist.ReduceOp.MAX)
-    itemsize = {key: dtypes[key].itemsize for key in KEYS}
+    parts = slowest_over_ranks(t_planned - t0, t_moved - t_planned, time.perf_counter() - t_moved)
+    itemsize = {key: dtype.itemsize for key, dtype in dtypes.items()}
     moved = layers_moved(plan.split, new_plan.split) if new_plan.pp == plan.pp else 0
-    cost = ResplitCost(float(parts[0]), float(parts[1]), float(parts[2]), moves.bytes_moved(itemsize), moved)
+    cost = ResplitCost(*parts, moves.bytes_moved(itemsize), moved)
     new_trainer.last_resplit = cost
     return new_trainer, cost, moves
 
